@@ -1,0 +1,26 @@
+"""lsn_ext: Laplace approximations for segmentation networks.
+
+Diagonal backpropagation (a GGN diagonal in one backward pass) over ordinary U-Nets, one rule table
+shared by adapters for laplace-torch, BackPACK and StochMan, and Laplacian Segmentation Networks.
+"""
+
+from lsn_ext import rules
+from lsn_ext.engine import DiagBackpropResult, diag_backprop
+from lsn_ext.rules import get_rule, register_rule, supported_modules
+from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "MSE",
+    "BCEWithLogits",
+    "CrossEntropy",
+    "DiagBackpropResult",
+    "Loss",
+    "__version__",
+    "diag_backprop",
+    "get_rule",
+    "register_rule",
+    "rules",
+    "supported_modules",
+]

@@ -1,0 +1,595 @@
+"""The native diagonal-backprop engine: DB on an ordinary ``nn.Module``.
+
+``diag_backprop(model, inputs, targets, loss)`` runs one forward pass in which
+
+- every module with a rule in :data:`lsn_ext.rules.RULES` runs as one node of a custom autograd
+  function whose backward applies that rule (the module's parameters are inputs of the node, so
+  their DB diagonals arrive as the "gradients" of one ``torch.autograd.grad`` call, summed over
+  repeated calls of a shared module);
+- layers whose Jacobian has only 0/1 entries (ReLU, max pooling, flatten, dropout in evaluation
+  mode) and structural operations in ``forward`` (``torch.cat``, slicing, reshapes, padding,
+  addition, nearest upsampling) are left to autograd: squaring their Jacobian changes nothing, so
+  the ordinary backward pass already is the DB step. Fan-out sums, which gives LSN Eq. (27) for
+  concatenating skip connections, nested or not;
+- a ``TorchFunctionMode`` inspects every other operation in ``forward`` that touches the graph:
+  functional activations (``torch.tanh(x)``), constant scaling (``0.5 * x``, ``x / c``, ``-x``,
+  ``a - b``, ``x.mean()``), ``F.interpolate`` and ``F.avg_pool*d`` are routed through the same
+  rules; anything else raises an error naming the operation and the module it is called in.
+
+Granularity: the diagonal is taken after every registered module and every functional operation
+above; a module's internals are one layer. ``Conv2d(padding_mode="reflect")`` is padding followed
+by a convolution (see :class:`~lsn_ext.rules.ConvRule`).
+
+The model is left as found: forward hooks and per-instance ``forward`` overrides are installed for
+the duration of the call only and removed in a ``finally`` block; parameters, buffers, modes and
+``requires_grad`` flags are not touched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from lsn_ext.rules import RULES, AvgPoolRule, Rule, UpsampleRule, get_rule
+from lsn_ext.rules.elementwise import scale_rule
+from lsn_ext.rules.losses import CrossEntropy, Loss, as_loss
+
+__all__ = ["DiagBackpropResult", "diag_backprop"]
+
+
+@dataclass
+class DiagBackpropResult:
+    """What :func:`diag_backprop` returns.
+
+    Attributes:
+        loss: The loss on the batch (detached scalar).
+        logits: The model output (detached), ``[N, C, *]`` or ``[N, K]``.
+        diagonals: Parameter name → DB diagonal of the GGN, shaped like the parameter, in
+            ``model.named_parameters()`` order.
+    """
+
+    loss: Tensor
+    logits: Tensor
+    diagonals: dict[str, Tensor]
+
+    @property
+    def vector(self) -> Tensor:
+        """The diagonals flattened and concatenated in ``model.parameters()`` order."""
+        return torch.cat([d.reshape(-1) for d in self.diagonals.values()])
+
+
+def diag_backprop(
+    model: nn.Module,
+    inputs: Tensor | Sequence[Tensor],
+    targets: Tensor,
+    loss: str | Loss | nn.Module = "ce",
+    *,
+    ce_first_step: Literal["exact", "diag"] = "exact",
+    params: Sequence[Tensor] | None = None,
+) -> DiagBackpropResult:
+    """Diagonal backpropagation of the GGN for one batch.
+
+    Computes ``Σ_n D(J_nᵀ H_n J_n)`` with ``D`` applied after every layer (LSN paper Eq. 22),
+    where ``H_n`` is the Hessian of ``loss`` w.r.t. the logits of sample ``n``. Cost: one forward
+    and one backward pass, linear in the number of pixels.
+
+    For cross-entropy, ``ce_first_step="exact"`` (default) propagates the full per-position
+    ``C×C`` block ``diag(p) − p pᵀ`` through the output layer, ``m = D(J_lastᵀ H J_last)``, and
+    applies ``D`` from there on. Starting from ``D(H)`` instead (``"diag"``) drops the negative
+    ``−p pᵀ`` terms and badly overestimates the curvature when the head mixes shared features
+    into all classes; it is offered for comparison. The exact step needs the logits to be the
+    output of a ``Linear`` or convolution module.
+
+    Args:
+        model: Any ``nn.Module`` built from supported modules (see
+            :func:`lsn_ext.rules.supported_modules`) and structural operations.
+        inputs: The model input, or a sequence of inputs passed as ``model(*inputs)``.
+        targets: Targets for ``loss`` (class indices ``[N, *]`` for cross-entropy).
+        loss: ``"ce"``, ``"bce"``, ``"mse"``, a :class:`~lsn_ext.rules.losses.Loss`, or a
+            ``torch.nn`` loss (see :func:`~lsn_ext.rules.losses.as_loss`). Summed over the batch
+            by default, as in laplace-torch.
+        ce_first_step: ``"exact"`` or ``"diag"``, see above (cross-entropy only).
+        params: Parameters to return diagonals for; default: all with ``requires_grad``.
+
+    Returns:
+        The loss, the logits and the diagonal per parameter.
+
+    Raises:
+        NotImplementedError: A module without a rule, or an operation in ``forward`` that DB
+            cannot propagate through; the message names it and where it is.
+        ValueError: Bad arguments, shapes or targets; a module in a mode without a valid rule
+            (dropout or batch norm in training mode).
+    """
+    loss_fn = as_loss(loss)
+    if ce_first_step not in ("exact", "diag"):
+        raise ValueError(f"ce_first_step must be 'exact' or 'diag', got {ce_first_step!r}")
+    names, chosen = _select_params(model, params)
+    args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+
+    session = _Session(model)
+    with torch.enable_grad(), session:
+        logits = model(*args)
+    if not isinstance(logits, Tensor):
+        raise TypeError(
+            f"the model returned {type(logits).__name__}; diagonal backprop needs a tensor of "
+            "logits (wrap the model to return them)"
+        )
+    if not logits.requires_grad:
+        raise ValueError("the model output does not depend on any parameter that requires grad")
+    f = logits.detach()
+    value = loss_fn.value(f, targets)
+    h_diag = loss_fn.hessian_diag(f, targets)
+    if isinstance(loss_fn, CrossEntropy) and ce_first_step == "exact":
+        session.block = (session.head_index(logits), loss_fn.hessian_block(f, targets))
+    grads = torch.autograd.grad(logits, chosen, grad_outputs=h_diag, allow_unused=True)
+    diagonals = {
+        n: torch.zeros_like(p) if g is None else g
+        for n, p, g in zip(names, chosen, grads, strict=True)
+    }
+    return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
+
+
+def _select_params(
+    model: nn.Module, params: Sequence[Tensor] | None
+) -> tuple[list[str], list[Tensor]]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if params is None:
+        if not named:
+            raise ValueError("the model has no parameter with requires_grad=True")
+        return [n for n, _ in named], [p for _, p in named]
+    wanted = {id(p) for p in params}
+    all_ids = {id(p) for p in model.parameters()}
+    if not wanted <= all_ids:
+        raise ValueError("params contains tensors that are not parameters of the model")
+    chosen = [(n, p) for n, p in named if id(p) in wanted]
+    if len(chosen) != len(wanted):
+        raise ValueError("every parameter in params must have requires_grad=True")
+    return [n for n, _ in chosen], [p for _, p in chosen]
+
+
+@dataclass(eq=False)
+class _Call:
+    """One application of a rule in the forward pass."""
+
+    session: _Session
+    module: nn.Module
+    rule: Rule
+    index: int
+    param_names: tuple[str, ...]
+
+
+class _RuleFunction(torch.autograd.Function):
+    """Runs a layer in forward and its DB rule in backward; params are inputs 3, 4, and so on."""
+
+    @staticmethod
+    def forward(ctx, call: _Call, run: Callable[[Tensor], Tensor], x: Tensor, *params: Tensor):
+        x_in = x.clone() if getattr(call.module, "inplace", False) else x
+        y = run(x)
+        if y is x:
+            ctx.mark_dirty(x)
+        ctx.call = call
+        if call.rule.needs_output:
+            ctx.save_for_backward(x_in, y)
+        else:
+            ctx.save_for_backward(x_in)
+            ctx.y_like = torch.empty(y.shape, dtype=y.dtype, device="meta")
+        return y
+
+    @staticmethod
+    def backward(ctx, m_out: Tensor):
+        call: _Call = ctx.call
+        x, y = ctx.saved_tensors if call.rule.needs_output else (*ctx.saved_tensors, ctx.y_like)
+        need_input = ctx.needs_input_grad[2]
+        need_params = any(ctx.needs_input_grad[3:])
+        block = call.session.take_block(call.index)
+        if block is None:
+            m_in, diags = call.rule.backward(call.module, x, y, m_out, need_input, need_params)
+        else:
+            m_in = call.rule.input_rule_block(call.module, x, y, block) if need_input else None
+            _, diags = call.rule.backward(call.module, x, y, m_out, False, need_params)
+        grads = (
+            diags.get(name) if ctx.needs_input_grad[3 + i] else None
+            for i, name in enumerate(call.param_names)
+        )
+        return None, None, m_in, *grads
+
+
+class _ScaleFunction(torch.autograd.Function):
+    """``y = compute()`` with ``y = c · x``; backward is :func:`scale_rule`."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, c: Tensor | float, compute: Callable[[], Tensor]):
+        ctx.c, ctx.shape = c, x.shape
+        return compute()
+
+    @staticmethod
+    def backward(ctx, m_out: Tensor):
+        return scale_rule(m_out, ctx.c, ctx.shape), None, None
+
+
+class _Session(TorchFunctionMode):
+    """State of one DB forward pass: installs and removes everything on ``model``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.paths: dict[int, str] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            self.paths.setdefault(id(module), name or "<model>")
+        self.stack: list[nn.Module] = []
+        self.counter = itertools.count()
+        self.last: tuple[int, Tensor, Rule] | None = None
+        self.block: tuple[int, Tensor] | None = None
+        self._handles: list[Any] = []
+        self._patched: list[tuple[nn.Module, Any]] = []
+
+    # -- installation --------------------------------------------------------------------------
+
+    def __enter__(self):
+        try:
+            seen: set[int] = set()
+            for module in self.model.modules():
+                if id(module) in seen:
+                    continue
+                seen.add(id(module))
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook))
+                self._handles.append(
+                    module.register_forward_hook(self._post_hook, always_call=True)
+                )
+                rule = RULES.get(type(module))
+                if rule is not None and not rule.autograd_exact:
+                    self._patch(module, rule)
+            return super().__enter__()
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._uninstall()
+
+    def _uninstall(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        for module, previous in self._patched:
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        self._handles.clear()
+        self._patched.clear()
+
+    def _patch(self, module: nn.Module, rule: Rule) -> None:
+        previous = module.__dict__.get("forward")
+        run_original = previous if previous is not None else type(module).forward.__get__(module)
+        own = tuple(n for n, _ in module.named_parameters(recurse=False))
+
+        def forward(*args: Any, **kwargs: Any) -> Tensor:
+            if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
+                raise TypeError(
+                    f"{self.describe(module)} was called with {len(args)} positional and "
+                    f"{len(kwargs)} keyword arguments; its rule takes one tensor input"
+                )
+            x = args[0]
+            params = [getattr(module, n) for n in own]
+            if not (x.requires_grad or any(p.requires_grad for p in params)):
+                return run_original(x)
+            return self.apply_rule(module, rule, x, run_original, own, params)
+
+        module.forward = forward
+        self._patched.append((module, previous))
+
+    # -- forward-pass bookkeeping ---------------------------------------------------------------
+
+    def _pre_hook(self, module: nn.Module, args: Any) -> None:
+        self.stack.append(module)
+        rule = RULES.get(type(module))
+        if rule is not None:
+            try:
+                rule.check(module)
+            except ValueError as err:
+                raise ValueError(f"{self.describe(module)}: {err}") from None
+        elif not any(True for _ in module.children()) and any(
+            True for _ in module.parameters(recurse=False)
+        ):
+            get_rule(module, self.paths.get(id(module), ""))
+
+    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+
+    def describe(self, module: nn.Module) -> str:
+        """``'path' (Class)`` for error messages."""
+        return f"'{self.paths.get(id(module), '?')}' ({type(module).__name__})"
+
+    def apply_rule(
+        self,
+        module: nn.Module,
+        rule: Rule,
+        x: Tensor,
+        run: Callable[[Tensor], Tensor],
+        param_names: tuple[str, ...] = (),
+        params: Sequence[Tensor] = (),
+    ) -> Tensor:
+        """Run ``run(x)`` as one DB node with ``rule``."""
+        call = _Call(self, module, rule, next(self.counter), param_names)
+        y = _RuleFunction.apply(call, run, x, *params)
+        self.last = (call.index, y, rule)
+        return y
+
+    def head_index(self, logits: Tensor) -> int:
+        """Index of the rule call that produced ``logits``, which must support the block step."""
+        if self.last is not None and self.last[1] is logits and self.last[2].has_block_rule():
+            return self.last[0]
+        origin = type(logits.grad_fn).__name__ if logits.grad_fn is not None else "no operation"
+        if self.last is not None and self.last[1] is logits:
+            origin = type(self.last[2]).__name__
+        raise ValueError(
+            "the exact cross-entropy first step needs the logits to be the direct output of a "
+            f"Linear or convolution module, but they come from {origin}. Make the head the last "
+            "operation of forward, or pass ce_first_step='diag' (starts from diag(H), which "
+            "overestimates the curvature)"
+        )
+
+    def take_block(self, index: int) -> Tensor | None:
+        if self.block is not None and self.block[0] == index:
+            block, self.block = self.block[1], None
+            return block
+        return None
+
+    # -- functional operations ------------------------------------------------------------------
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        name = getattr(func, "__name__", None)
+        handler = _HANDLERS.get(name)
+        if handler is not None and _needs_grad((args, kwargs)):
+            return handler(self, func, args, kwargs)
+        out = func(*args, **kwargs)
+        if name not in _STRUCTURAL and _needs_grad(out):
+            raise self.unsupported(name or repr(func))
+        return out
+
+    def unsupported(self, name: str, detail: str = "") -> NotImplementedError:
+        """The error for an operation in ``forward`` that DB cannot propagate through."""
+        where = self.describe(self.stack[-1]) if self.stack else "the model"
+        return NotImplementedError(
+            f"Diagonal backprop cannot propagate through '{name}' in the forward of {where}: "
+            "its Jacobian has entries other than 0 and 1 and no rule covers it."
+            f"{' ' + detail if detail else ''} Outside modules, forward may use structural "
+            "operations (cat, stack, slicing, reshapes, pad, add, sum, relu, max pooling, "
+            "nearest interpolation), scaling by constants (c * x, x / c, -x, a - b, mean), "
+            f"the functional activations {sorted(_ACTIVATIONS)}, F.avg_pool*d and "
+            "F.interpolate. Use a supported module, or put the operation in a module of your "
+            "own and register a rule for it with lsn_ext.register_rule."
+        )
+
+
+def _needs_grad(tree: Any) -> bool:
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(tree))
+
+
+def _bind(args: tuple, kwargs: dict, spec: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """Bind ``(input, *rest)`` to ``spec``'s names with defaults."""
+    bound = {"input": args[0] if args else kwargs["input"]}
+    for (name, default), value in itertools.zip_longest(spec, args[1:], fillvalue=_MISSING):
+        if name is _MISSING:
+            raise TypeError("too many positional arguments")
+        bound[name] = value if value is not _MISSING else kwargs.get(name, default)
+    return bound
+
+
+_MISSING = object()
+
+# Functional activations: name → (argument spec, module with the same computation).
+_ACTIVATIONS: dict[str, tuple[tuple[tuple[str, Any], ...], Callable[..., nn.Module]]] = {
+    "tanh": ((), lambda: nn.Tanh()),
+    "sigmoid": ((), lambda: nn.Sigmoid()),
+    "leaky_relu": (
+        (("negative_slope", 0.01), ("inplace", False)),
+        lambda negative_slope, inplace: nn.LeakyReLU(negative_slope),
+    ),
+    "elu": ((("alpha", 1.0), ("inplace", False)), lambda alpha, inplace: nn.ELU(alpha)),
+    "silu": ((("inplace", False),), lambda inplace: nn.SiLU()),
+    "gelu": ((("approximate", "none"),), lambda approximate: nn.GELU(approximate)),
+    "softplus": (
+        (("beta", 1.0), ("threshold", 20.0)),
+        lambda beta, threshold: nn.Softplus(beta, threshold),
+    ),
+}
+
+
+def _activation(session: _Session, func, args, kwargs) -> Tensor:
+    spec, factory = _ACTIVATIONS[func.__name__]
+    bound = _bind(args, kwargs, spec)
+    if bound.get("inplace"):
+        raise session.unsupported(func.__name__, "Use inplace=False.")
+    module = factory(**{k: v for k, v in bound.items() if k != "input"})
+    return session.apply_rule(module, RULES[type(module)], bound["input"], module)
+
+
+_POOL_SPEC = (
+    ("kernel_size", None),
+    ("stride", None),
+    ("padding", 0),
+    ("ceil_mode", False),
+    ("count_include_pad", True),
+    ("divisor_override", None),
+)
+
+
+def _avg_pool(session: _Session, func, args, kwargs) -> Tensor:
+    dims = int(func.__name__[-2])
+    bound = _bind(args, kwargs, _POOL_SPEC[: 5 if dims == 1 else 6])
+    x = bound.pop("input")
+    module = getattr(nn, f"AvgPool{dims}d")(**bound)
+    return session.apply_rule(module, AvgPoolRule(), x, module)
+
+
+def _adaptive_avg_pool(session: _Session, func, args, kwargs) -> Tensor:
+    bound = _bind(args, kwargs, (("output_size", None),))
+    x, size = bound["input"], bound["output_size"]
+    dims = int(func.__name__[-2])
+    sizes = [size] * dims if isinstance(size, int) else list(size)
+    if any(s != 1 for s in sizes):
+        raise session.unsupported(
+            func.__name__, "Only global pooling (output size 1) is supported; use nn.AvgPool."
+        )
+    return _mean(session, torch.mean, (x, tuple(range(-dims, 0)), True), {})
+
+
+_INTERPOLATE_SPEC = (
+    ("size", None),
+    ("scale_factor", None),
+    ("mode", "nearest"),
+    ("align_corners", None),
+    ("recompute_scale_factor", None),
+    ("antialias", False),
+)
+
+
+def _interpolate(session: _Session, func, args, kwargs) -> Tensor:
+    bound = _bind(args, kwargs, _INTERPOLATE_SPEC)
+    if bound["mode"] in ("nearest", "nearest-exact"):
+        return func(*args, **kwargs)
+    if bound["mode"] == "area" or bound["antialias"]:
+        raise session.unsupported("interpolate", "Modes 'area' and antialias=True have no rule.")
+    module = nn.Upsample(
+        bound["size"],
+        bound["scale_factor"],
+        bound["mode"],
+        bound["align_corners"],
+        bound["recompute_scale_factor"],
+    )
+    return session.apply_rule(module, UpsampleRule(), bound["input"], module)
+
+
+def _dropout(session: _Session, func, args, kwargs) -> Tensor:
+    bound = _bind(args, kwargs, (("p", 0.5), ("training", True), ("inplace", False)))
+    if bound["training"] and bound["p"] > 0:
+        raise session.unsupported(
+            func.__name__,
+            "Dropout in training mode has a random Jacobian; call model.eval() or pass "
+            "training=self.training.",
+        )
+    return func(*args, **kwargs)
+
+
+def _scale(session: _Session, x: Tensor, c: Tensor | float, compute: Callable[[], Tensor]):
+    if isinstance(c, Tensor) and c.requires_grad:
+        raise session.unsupported("mul", "Both factors of a product depend on parameters.")
+    return _ScaleFunction.apply(x, c.detach() if isinstance(c, Tensor) else c, compute)
+
+
+def _mul(session: _Session, func, args, kwargs) -> Tensor:
+    if func.__name__.endswith("_"):
+        raise session.unsupported(func.__name__, "Write x = x * c instead of scaling in place.")
+    a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    if isinstance(a, Tensor) and a.requires_grad:
+        x, c = a, b
+    else:
+        x, c = b, a
+    return _scale(session, x, c, lambda: func(*args, **kwargs))
+
+
+def _div(session: _Session, func, args, kwargs) -> Tensor:
+    a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    if func.__name__.endswith("_") or kwargs.get("rounding_mode") is not None:
+        raise session.unsupported(func.__name__, "Write x = x / c (true division).")
+    if isinstance(b, Tensor) and b.requires_grad:
+        raise session.unsupported(func.__name__, "The divisor depends on parameters.")
+    return _scale(session, a, 1.0 / b, lambda: func(*args, **kwargs))
+
+
+def _neg(session: _Session, func, args, kwargs) -> Tensor:
+    if func.__name__.endswith("_"):
+        raise session.unsupported(func.__name__, "Write x = -x instead.")
+    return _scale(session, args[0], -1.0, lambda: func(*args, **kwargs))
+
+
+def _sub(session: _Session, func, args, kwargs) -> Tensor:
+    a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    alpha = kwargs.get("alpha", 1)
+    if func.__name__ == "rsub":
+        a, b = b, a
+    if not (isinstance(b, Tensor) and b.requires_grad) and alpha == 1:
+        return func(*args, **kwargs)
+    if func.__name__.endswith("_"):
+        raise session.unsupported(func.__name__, "Write a = a - b instead of subtracting in place.")
+    neg_b = _scale(session, b, -alpha, lambda: b * -alpha)
+    return torch.add(a, neg_b)
+
+
+def _add(session: _Session, func, args, kwargs) -> Tensor:
+    alpha = kwargs.get("alpha", 1)
+    if alpha == 1:
+        return func(*args, **kwargs)
+    a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    if func.__name__.endswith("_"):
+        raise session.unsupported(func.__name__, "Write a = a + alpha * b instead.")
+    return torch.add(a, _scale(session, b, alpha, lambda: b * alpha))
+
+
+def _mean(session: _Session, func, args, kwargs) -> Tensor:
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+    total = x.sum() if dim is None else x.sum(dim, keepdim=keepdim)
+    n = x.numel() // max(total.numel(), 1)
+    return _scale(session, total, 1.0 / n, lambda: total * (1.0 / n))
+
+
+_HANDLERS: dict[str, Callable[..., Tensor]] = {
+    **dict.fromkeys(_ACTIVATIONS, _activation),
+    **dict.fromkeys(("avg_pool1d", "avg_pool2d", "avg_pool3d"), _avg_pool),
+    **dict.fromkeys(
+        ("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"), _adaptive_avg_pool
+    ),
+    "interpolate": _interpolate,
+    **dict.fromkeys(("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout"), _dropout),
+    **dict.fromkeys(("mul", "multiply", "mul_"), _mul),
+    **dict.fromkeys(("div", "divide", "true_divide", "div_"), _div),
+    **dict.fromkeys(("neg", "negative", "neg_"), _neg),
+    **dict.fromkeys(("sub", "subtract", "rsub", "sub_"), _sub),
+    **dict.fromkeys(("add", "add_"), _add),
+    "mean": _mean,
+}
+
+# Operations whose Jacobian w.r.t. every input has only 0/1 entries: autograd's backward is the
+# DB step. (Negation and subtraction are not: their −1 must become +1, see _sub and _neg.)
+_STRUCTURAL = frozenset(
+    {
+        # joining and splitting
+        "cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack", "split",
+        "split_with_sizes", "tensor_split", "chunk", "unbind", "narrow", "select",
+        # indexing
+        "__getitem__", "__setitem__", "index_select", "gather", "take", "take_along_dim",
+        "masked_select", "masked_fill", "masked_fill_", "where", "scatter", "scatter_add",
+        "index_add", "index_copy", "index_put", "index_put_", "diagonal", "triu", "tril",
+        # shapes and copies
+        "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "ravel", "squeeze",
+        "squeeze_", "unsqueeze", "unsqueeze_", "permute", "transpose", "transpose_", "swapaxes",
+        "swapdims", "t", "movedim", "moveaxis", "contiguous", "clone", "expand", "expand_as",
+        "broadcast_to", "repeat", "tile", "repeat_interleave", "flip", "fliplr", "flipud",
+        "roll", "rot90", "pad", "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "unfold",
+        "fold", "__get__", "copy_", "fill_", "zero_", "to", "type", "float", "double", "half",
+        "bfloat16", "cpu", "cuda", "detach", "requires_grad_",
+        # sums, selections and 0/1 derivatives
+        "add", "add_", "sum", "relu", "relu_", "relu6", "hardtanh", "hardtanh_", "threshold",
+        "clamp", "clamp_", "clip", "max", "min", "amax", "amin", "maximum", "minimum", "sort",
+        "topk", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
+        "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool1d",
+        "adaptive_max_pool2d", "adaptive_max_pool3d", "interpolate",
+    }
+)  # fmt: skip

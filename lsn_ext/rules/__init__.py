@@ -1,0 +1,155 @@
+"""The rule table: one diagonal-backprop rule per supported module type.
+
+Every adapter (the native engine, the BackPACK extension, the StochMan ``nnj`` modules) looks rules
+up here, so the mathematics of each layer lives in exactly one place. Lookup is by exact class, as
+in BackPACK: a subclass with its own ``forward`` may compute something else, so it must be
+registered explicitly::
+
+    import lsn_ext
+    lsn_ext.register_rule(MyConv2d, lsn_ext.rules.ConvRule())
+
+Adding a layer is three touches: a :class:`~lsn_ext.rules.base.Rule` subclass in this package, one
+line in :data:`RULES`, and one case in ``tests/rules``.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lsn_ext.rules.base import Rule
+from lsn_ext.rules.conv import ConvRule
+from lsn_ext.rules.elementwise import (
+    ElementwiseRule,
+    ELURule,
+    GELURule,
+    LeakyReLURule,
+    ReLURule,
+    SigmoidRule,
+    SiLURule,
+    SoftplusRule,
+    TanhRule,
+)
+from lsn_ext.rules.linear import LinearRule
+from lsn_ext.rules.norm import BatchNormRule
+from lsn_ext.rules.pooling import AvgPoolRule
+from lsn_ext.rules.structural import DropoutRule, StructuralRule
+from lsn_ext.rules.upsample import UpsampleRule
+
+__all__ = [
+    "RULES",
+    "AvgPoolRule",
+    "BatchNormRule",
+    "ConvRule",
+    "DropoutRule",
+    "ELURule",
+    "ElementwiseRule",
+    "GELURule",
+    "LeakyReLURule",
+    "LinearRule",
+    "ReLURule",
+    "Rule",
+    "SiLURule",
+    "SigmoidRule",
+    "SoftplusRule",
+    "StructuralRule",
+    "TanhRule",
+    "UpsampleRule",
+    "get_rule",
+    "register_rule",
+    "supported_modules",
+]
+
+RULES: dict[type[nn.Module], Rule] = {
+    nn.Linear: LinearRule(),
+    nn.Conv1d: ConvRule(),
+    nn.Conv2d: ConvRule(),
+    nn.Conv3d: ConvRule(),
+    nn.ConvTranspose1d: ConvRule(),
+    nn.ConvTranspose2d: ConvRule(),
+    nn.ConvTranspose3d: ConvRule(),
+    nn.Tanh: TanhRule(),
+    nn.Sigmoid: SigmoidRule(),
+    nn.ReLU: ReLURule(),
+    nn.LeakyReLU: LeakyReLURule(),
+    nn.ELU: ELURule(),
+    nn.SiLU: SiLURule(),
+    nn.GELU: GELURule(),
+    nn.Softplus: SoftplusRule(),
+    nn.Identity: StructuralRule(),
+    nn.Flatten: StructuralRule(),
+    nn.Unflatten: StructuralRule(),
+    nn.MaxPool1d: StructuralRule(),
+    nn.MaxPool2d: StructuralRule(),
+    nn.MaxPool3d: StructuralRule(),
+    nn.Dropout: DropoutRule(),
+    nn.Dropout1d: DropoutRule(),
+    nn.Dropout2d: DropoutRule(),
+    nn.Dropout3d: DropoutRule(),
+    nn.AvgPool1d: AvgPoolRule(),
+    nn.AvgPool2d: AvgPoolRule(),
+    nn.AvgPool3d: AvgPoolRule(),
+    nn.Upsample: UpsampleRule(),
+    nn.UpsamplingNearest2d: UpsampleRule(),
+    nn.UpsamplingBilinear2d: UpsampleRule(),
+    nn.BatchNorm1d: BatchNormRule(),
+    nn.BatchNorm2d: BatchNormRule(),
+    nn.BatchNorm3d: BatchNormRule(),
+}
+
+
+def register_rule(module_cls: type[nn.Module], rule: Rule, *, override: bool = False) -> None:
+    """Register ``rule`` for modules of exactly the class ``module_cls``.
+
+    Args:
+        module_cls: The module class (exact match; subclasses are not covered).
+        rule: The rule instance.
+        override: Replace an existing registration instead of raising.
+
+    Raises:
+        TypeError: If ``module_cls`` is not an ``nn.Module`` subclass or ``rule`` not a ``Rule``.
+        ValueError: If ``module_cls`` is registered already and ``override`` is false.
+    """
+    if not (isinstance(module_cls, type) and issubclass(module_cls, nn.Module)):
+        raise TypeError(f"register_rule expects an nn.Module subclass, got {module_cls!r}")
+    if not isinstance(rule, Rule):
+        raise TypeError(f"register_rule expects a lsn_ext.rules.Rule instance, got {rule!r}")
+    if module_cls in RULES and not override:
+        raise ValueError(
+            f"{module_cls.__qualname__} already has the rule {type(RULES[module_cls]).__name__}; "
+            "pass override=True to replace it"
+        )
+    RULES[module_cls] = rule
+
+
+def supported_modules() -> list[str]:
+    """Names of the module classes that have a rule, sorted."""
+    return sorted(f"{cls.__module__}.{cls.__qualname__}" for cls in RULES)
+
+
+def get_rule(module: nn.Module, path: str = "") -> Rule:
+    """Return the rule registered for ``type(module)``.
+
+    Args:
+        module: The module to look up.
+        path: Its dotted path in the model, used in the error message.
+
+    Raises:
+        NotImplementedError: If there is no rule for the module's exact class; the message names
+            the module and lists what is supported.
+    """
+    try:
+        return RULES[type(module)]
+    except KeyError:
+        where = f" at '{path}'" if path else ""
+        parent = next((c for c in type(module).__mro__[1:] if c in RULES), None)
+        hint = (
+            f" It subclasses {parent.__qualname__}; if its forward is unchanged, register it with "
+            f"lsn_ext.register_rule({type(module).__qualname__}, "
+            f"lsn_ext.rules.{type(RULES[parent]).__name__}())."
+            if parent is not None
+            else " Write a lsn_ext.rules.Rule for it and call lsn_ext.register_rule."
+        )
+        raise NotImplementedError(
+            f"Diagonal backprop has no rule for {type(module).__qualname__}{where}.{hint} "
+            f"Supported modules: {', '.join(c.__qualname__ for c in RULES)}."
+        ) from None

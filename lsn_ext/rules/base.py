@@ -1,0 +1,114 @@
+r"""The contract of a diagonal-backpropagation rule.
+
+Diagonal backpropagation (DB; Miani et al. 2022, LSN paper Eq. 22) propagates a vector ``m``, the
+diagonal of the curvature w.r.t. a layer's output, backwards through the network. For one layer
+``y = f(x; θ)`` with Jacobians ``J_x = ∂y/∂x`` and ``J_θ = ∂y/∂θ`` a rule computes
+
+.. math::
+
+    m_{in} = \operatorname{diag}(J_x^\top \operatorname{diag}(m_{out}) J_x)
+           = (J_x \circ J_x)^\top m_{out},
+    \qquad d_θ = (J_θ \circ J_θ)^\top m_{out},
+
+summed over the batch. Each rule is *exact* for its layer given a diagonal ``m_out``; the
+approximation of DB is that the diagonal is taken again after every layer. Rules never change the
+module, its inputs or ``m_out``.
+
+Shapes: ``x`` is the layer input, ``y`` the output (``[N, *]`` each), ``m_out`` has the shape of
+``y``, the returned ``m_in`` the shape of ``x``, and each parameter diagonal the shape of its
+parameter.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import Tensor, nn
+
+__all__ = ["Rule"]
+
+
+class Rule:
+    """A diagonal-backprop rule for one module type.
+
+    Subclasses implement :meth:`input_rule` and, for parametric layers, :meth:`param_rule`.
+    Layers that get input and parameter diagonals from one fused kernel (convolutions) override
+    :meth:`backward` as well. Layers whose output is linear in the input may implement
+    :meth:`input_rule_block`, used by the exact first step of the cross-entropy loss.
+
+    Rules are stateless; one instance serves every module of its type.
+
+    Attributes:
+        autograd_exact: True when every entry of the layer's input Jacobian is 0 or 1 and the
+            layer has no parameters, so that squaring changes nothing and the ordinary backward
+            pass already is the DB step. Adapters may then leave the layer to autograd.
+        needs_output: True when the rule reads the *values* of ``y``. Otherwise adapters may
+            pass a tensor with ``y``'s shape and dtype only (e.g. on the ``meta`` device), and
+            need not keep the output alive, which in-place operations after the layer (an
+            ``nn.ReLU(inplace=True)`` after a convolution) would otherwise invalidate.
+    """
+
+    autograd_exact: ClassVar[bool] = False
+    needs_output: ClassVar[bool] = False
+
+    def check(self, module: nn.Module) -> None:
+        """Raise ``ValueError`` if the module's current configuration has no valid rule.
+
+        Called by adapters before every use, also for layers left to autograd (e.g. dropout or
+        batch norm in training mode, whose Jacobian depends on a random mask or the batch).
+        """
+
+    def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
+        """Return ``m_in = (J_x ∘ J_x)^T m_out``, shaped like ``x``.
+
+        Args:
+            module: The layer.
+            x: Its input ``[N, *]``.
+            y: Its output ``[N, *]`` for that input.
+            m_out: Diagonal curvature w.r.t. ``y``, shaped like ``y``.
+        """
+        raise NotImplementedError
+
+    def param_rule(
+        self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor
+    ) -> dict[str, Tensor]:
+        """Return ``{name: (J_θ ∘ J_θ)^T m_out}`` for the module's own parameters.
+
+        Keys are the names of ``module.named_parameters(recurse=False)``; each value has the
+        parameter's shape and is summed over the batch. Parameter-free layers return ``{}``.
+        """
+        return {}
+
+    def backward(
+        self,
+        module: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        m_out: Tensor,
+        need_input: bool = True,
+        need_params: bool = True,
+    ) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """Both rules at once: ``(m_in or None, {name: diagonal})``.
+
+        Adapters call this; override it when one kernel yields both results.
+        """
+        m_in = self.input_rule(module, x, y, m_out) if need_input else None
+        diags = self.param_rule(module, x, y, m_out) if need_params else {}
+        return m_in, diags
+
+    @classmethod
+    def has_block_rule(cls) -> bool:
+        """Whether :meth:`input_rule_block` is implemented."""
+        return cls.input_rule_block is not Rule.input_rule_block
+
+    def input_rule_block(self, module: nn.Module, x: Tensor, y: Tensor, h_block: Tensor) -> Tensor:
+        """Return ``diag(J_x^T H J_x)`` for a block-diagonal ``H`` on the output's dim 1.
+
+        ``H`` couples the entries of dim 1 (the classes) at each position and sample and nothing
+        else: ``h_block`` has shape ``[N, C, C, *]`` for ``y`` of shape ``[N, C, *]``. Only layers
+        that are linear in their input and used as a classification head implement this.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no block rule for {type(module).__name__}; the exact "
+            "cross-entropy first step needs a Linear or convolution head"
+        )

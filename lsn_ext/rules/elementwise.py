@@ -1,0 +1,121 @@
+"""Rules for elementwise activations ``y = φ(x)``: ``m_in = φ'(x)² · m_out`` (exact)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from lsn_ext.rules.base import Rule
+
+__all__ = [
+    "ELURule",
+    "ElementwiseRule",
+    "GELURule",
+    "LeakyReLURule",
+    "ReLURule",
+    "SiLURule",
+    "SigmoidRule",
+    "SoftplusRule",
+    "TanhRule",
+    "scale_rule",
+]
+
+
+class ElementwiseRule(Rule):
+    """Exact rule for an elementwise map: ``m_in = φ'(x)² · m_out``, all shapes ``[N, *]``.
+
+    The Jacobian is diagonal, so no approximation is involved. Subclasses give ``φ'``.
+    """
+
+    def derivative(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        """Return ``φ'(x)``, shaped like ``x`` (``y = φ(x)`` is given for cheap formulas)."""
+        raise NotImplementedError
+
+    def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
+        return self.derivative(module, x, y).square() * m_out
+
+
+class TanhRule(ElementwiseRule):
+    """``φ'(x) = 1 − tanh(x)²`` (recomputed from ``x``)."""
+
+    def derivative(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return 1 - torch.tanh(x).square()
+
+
+class SigmoidRule(ElementwiseRule):
+    """``φ'(x) = σ(x)(1 − σ(x))`` (recomputed from ``x``)."""
+
+    def derivative(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        s = torch.sigmoid(x)
+        return s * (1 - s)
+
+
+class ReLURule(ElementwiseRule):
+    """``φ'(x) = 1[x > 0]``; 0/1, so the ordinary backward pass already is the DB step."""
+
+    autograd_exact = True
+
+    def derivative(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+        return (x > 0).to(x.dtype)
+
+
+class LeakyReLURule(ElementwiseRule):
+    """``φ'(x) = 1`` for ``x > 0``, else ``negative_slope`` (squared: ``slope²``)."""
+
+    def derivative(self, module: nn.LeakyReLU, x: Tensor, y: Tensor) -> Tensor:
+        return torch.where(x > 0, 1.0, module.negative_slope).to(x.dtype)
+
+
+class ELURule(ElementwiseRule):
+    """``φ'(x) = 1`` for ``x > 0``, else ``α e^x``."""
+
+    def derivative(self, module: nn.ELU, x: Tensor, y: Tensor) -> Tensor:
+        return torch.where(x > 0, torch.ones_like(x), module.alpha * torch.exp(x.clamp(max=0)))
+
+
+class SiLURule(ElementwiseRule):
+    """``φ(x) = x σ(x)``, ``φ'(x) = σ(x)(1 + x(1 − σ(x)))``."""
+
+    def derivative(self, module: nn.SiLU, x: Tensor, y: Tensor) -> Tensor:
+        s = torch.sigmoid(x)
+        return s * (1 + x * (1 - s))
+
+
+class GELURule(ElementwiseRule):
+    """``φ(x) = x Φ(x)``, ``φ'(x) = Φ(x) + x 𝒩(x)``; the ``approximate="tanh"`` form likewise."""
+
+    def derivative(self, module: nn.GELU, x: Tensor, y: Tensor) -> Tensor:
+        if module.approximate == "tanh":
+            c = math.sqrt(2 / math.pi)
+            t = torch.tanh(c * (x + 0.044715 * x**3))
+            return 0.5 * (1 + t) + 0.5 * x * (1 - t.square()) * c * (1 + 3 * 0.044715 * x.square())
+        cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+        pdf = torch.exp(-0.5 * x.square()) / math.sqrt(2 * math.pi)
+        return cdf + x * pdf
+
+
+class SoftplusRule(ElementwiseRule):
+    """``φ(x) = log(1 + e^{βx})/β``, ``φ'(x) = σ(βx)``; 1 above ``threshold`` (linear there)."""
+
+    def derivative(self, module: nn.Softplus, x: Tensor, y: Tensor) -> Tensor:
+        bx = module.beta * x
+        return torch.where(bx > module.threshold, torch.ones_like(x), torch.sigmoid(bx))
+
+
+def scale_rule(m_out: Tensor, c: Tensor | float, input_shape: torch.Size) -> Tensor:
+    """Rule for multiplication by a constant, ``y = c · x`` (``c`` broadcast): exact.
+
+    ``J = diag(c)`` (with copies where ``x`` is broadcast), so ``m_in = Σ_broadcast c² · m``.
+    Covers scalar and constant-tensor products, division by a constant (``c = 1/d``),
+    negation and subtraction (``c = −1``: the sign disappears when squared), and means
+    (a sum, which is structural, followed by ``c = 1/n``).
+
+    Args:
+        m_out: ``m`` w.r.t. ``y``, shape of ``y``.
+        c: The constant, a number or a tensor broadcastable to ``y``.
+        input_shape: Shape of ``x`` (broadcast dims are summed out).
+    """
+    c2 = c * c if isinstance(c, (int, float)) else c.square()
+    return (m_out * c2).sum_to_size(input_shape)

@@ -1,0 +1,45 @@
+"""Rule for ``nn.Linear``: ``y = x W^T + b`` on the last dimension."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from lsn_ext.rules.base import Rule
+
+__all__ = ["LinearRule"]
+
+
+class LinearRule(Rule):
+    """Exact rule for ``nn.Linear`` applied to ``x`` of shape ``[*, in_features]``.
+
+    With ``m`` of shape ``[*, out_features]`` and the sums running over all leading dims ``*``:
+
+    - input: ``m_in = m (W ∘ W)``, shape ``[*, in_features]``;
+    - weight: ``Σ_* m^T (x ∘ x)``, shape ``[out_features, in_features]``;
+    - bias: ``Σ_* m``, shape ``[out_features]``.
+
+    The block rule (for ``[N, K]`` logits, classes on the last dim) is
+    ``m_in[n, i] = Σ_{c,c'} H[n, c, c'] W[c, i] W[c', i]``.
+    """
+
+    def input_rule(self, module: nn.Linear, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
+        return m_out @ module.weight.square()
+
+    def param_rule(
+        self, module: nn.Linear, x: Tensor, y: Tensor, m_out: Tensor
+    ) -> dict[str, Tensor]:
+        m2 = m_out.reshape(-1, m_out.shape[-1])
+        diags = {"weight": m2.T @ x.reshape(-1, x.shape[-1]).square()}
+        if module.bias is not None:
+            diags["bias"] = m2.sum(0)
+        return diags
+
+    def input_rule_block(self, module: nn.Linear, x: Tensor, y: Tensor, h_block: Tensor) -> Tensor:
+        if y.dim() != 2:
+            raise ValueError(
+                "the block rule of Linear needs 2-D logits [N, K]; got output shape "
+                f"{tuple(y.shape)}"
+            )
+        W = module.weight
+        return torch.einsum("ncd,ci,di->ni", h_block, W, W)

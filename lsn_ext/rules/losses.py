@@ -1,0 +1,296 @@
+"""Losses and their Hessians w.r.t. the logits: what starts diagonal backpropagation.
+
+Conventions follow laplace-torch: losses are summed over the batch (``reduction="sum"``), and the
+regression loss is ``½ Σ (f − y)²`` so that its Hessian is the identity. ``reduction="mean"``
+divides value and Hessian by the same count that ``torch.nn.functional`` divides by.
+
+==============================  ============================  ==================================
+loss                            logits / targets              Hessian w.r.t. the logits
+==============================  ============================  ==================================
+:class:`BCEWithLogits`          ``[N, *]`` / same shape, or    ``p(1−p)(1 + (w₊−1) y) · w``,
+                                ``[N, *]`` for ``[N, 1, *]``   diagonal (exact)
+:class:`CrossEntropy`           ``[N, C, *]`` / ``[N, *]``     per position ``w_y (diag p − p pᵀ)``,
+                                class indices                  a ``C×C`` block
+:class:`MSE`                    ``[N, *]`` / same shape        ``1`` (``2`` for ``nn.MSELoss``)
+==============================  ============================  ==================================
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["MSE", "BCEWithLogits", "CrossEntropy", "Loss", "as_loss"]
+
+Reduction = Literal["sum", "mean"]
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+
+
+class Loss:
+    """A loss ``ℓ(f, y)`` on logits ``f`` with a positive semi-definite Hessian w.r.t. ``f``."""
+
+    reduction: Reduction = "sum"
+
+    def value(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The loss, a scalar."""
+        raise NotImplementedError
+
+    def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """``diag(∂²ℓ/∂f²)``, shaped like ``logits``."""
+        raise NotImplementedError
+
+    def hessian_block(self, logits: Tensor, targets: Tensor) -> Tensor | None:
+        """The per-position ``[N, C, C, *]`` Hessian block, or ``None`` when it is diagonal."""
+        return None
+
+    def check(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Validate shapes and values; return the targets in the form the loss uses."""
+        raise NotImplementedError
+
+
+class BCEWithLogits(Loss):
+    """Binary cross-entropy on logits, one independent Bernoulli per entry.
+
+    ``ℓ = −Σ w [w₊ y log σ(f) + (1 − y) log(1 − σ(f))]`` with ``w₊ = pos_weight`` (broadcast as in
+    ``torch.nn.BCEWithLogitsLoss``: along the *last* dim of the targets, so give a ``[C, 1, 1]``
+    tensor for per-channel weights of ``[N, C, H, W]`` logits) and element weights ``w``.
+    Hessian ``∂²ℓ/∂f² = w σ(f)(1 − σ(f))(w₊ y + 1 − y)``: diagonal, so DB starts exactly.
+
+    Args:
+        pos_weight: Weight of positive targets (class re-weighting, as in the LSN paper).
+        weight: Element weights, broadcast against the logits.
+        reduction: ``"sum"`` (laplace-torch's convention) or ``"mean"`` over all entries.
+    """
+
+    def __init__(
+        self,
+        pos_weight: Tensor | float | None = None,
+        weight: Tensor | None = None,
+        reduction: Reduction = "sum",
+    ):
+        _check_reduction(reduction)
+        if pos_weight is not None:
+            pos_weight = torch.as_tensor(pos_weight)
+            if (pos_weight <= 0).any():
+                raise ValueError(f"pos_weight must be positive, got {pos_weight}")
+        if weight is not None and (weight < 0).any():
+            raise ValueError("weight must be non-negative")
+        self.pos_weight, self.weight, self.reduction = pos_weight, weight, reduction
+
+    def check(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if targets.shape != logits.shape:
+            if logits.dim() >= 2 and logits.shape[1] == 1 and targets.shape == logits[:, 0].shape:
+                targets = targets.unsqueeze(1)
+            else:
+                raise ValueError(
+                    f"BCE targets of shape {tuple(targets.shape)} do not match logits of shape "
+                    f"{tuple(logits.shape)}; give targets shaped like the logits (or [N, *] for "
+                    "[N, 1, *] logits)"
+                )
+        targets = targets.to(logits.dtype)
+        if ((targets < 0) | (targets > 1)).any():
+            bad = targets[(targets < 0) | (targets > 1)][0].item()
+            raise ValueError(f"BCE targets must lie in [0, 1]; found {bad}")
+        return targets
+
+    def _scale(self, logits: Tensor) -> float:
+        return 1.0 / logits.numel() if self.reduction == "mean" else 1.0
+
+    def value(self, logits: Tensor, targets: Tensor) -> Tensor:
+        targets = self.check(logits, targets)
+        pw = None if self.pos_weight is None else self.pos_weight.to(logits)
+        w = None if self.weight is None else self.weight.to(logits)
+        return F.binary_cross_entropy_with_logits(
+            logits, targets, weight=w, pos_weight=pw, reduction=self.reduction
+        )
+
+    def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
+        targets = self.check(logits, targets)
+        p = torch.sigmoid(logits)
+        h = p * (1 - p)
+        if self.pos_weight is not None:
+            h = h * (self.pos_weight.to(logits) * targets + 1 - targets)
+        if self.weight is not None:
+            h = h * self.weight.to(logits)
+        return (h * self._scale(logits)).expand_as(logits)
+
+
+class CrossEntropy(Loss):
+    """Softmax cross-entropy with the classes on dim 1: logits ``[N, C, *]``, targets ``[N, *]``.
+
+    ``ℓ = Σ_positions w_y (−log softmax(f)_y)``; positions whose target is ``ignore_index`` add
+    nothing. Per position the Hessian is the block ``w_y (diag p − p pᵀ)``, ``p = softmax(f)``;
+    its diagonal is ``w_y p(1 − p)``. Label smoothing ``ε`` leaves the Hessian unchanged when
+    there are no class weights (every ``−log p_c`` has Hessian ``diag p − p pᵀ``).
+
+    Args:
+        weight: Class weights ``[C]``.
+        ignore_index: Target value that marks positions to ignore.
+        label_smoothing: As in ``torch.nn.CrossEntropyLoss`` (not with ``weight``).
+        reduction: ``"sum"`` (laplace-torch) or ``"mean"`` (divided by ``Σ w_y`` over counted
+            positions, as torch does).
+    """
+
+    def __init__(
+        self,
+        weight: Tensor | None = None,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        reduction: Reduction = "sum",
+    ):
+        _check_reduction(reduction)
+        if weight is not None and (weight.dim() != 1 or (weight < 0).any()):
+            raise ValueError("weight must be a 1-D tensor of non-negative class weights")
+        if not 0.0 <= label_smoothing <= 1.0:
+            raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
+        if label_smoothing > 0 and weight is not None:
+            raise ValueError("label_smoothing together with class weights is not supported")
+        self.weight, self.ignore_index = weight, ignore_index
+        self.label_smoothing, self.reduction = label_smoothing, reduction
+
+    def check(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if logits.dim() < 2:
+            raise ValueError(
+                f"cross-entropy needs logits [N, C, *] with classes on dim 1; got shape "
+                f"{tuple(logits.shape)}"
+            )
+        expected = logits.shape[:1] + logits.shape[2:]
+        if targets.shape != expected:
+            raise ValueError(
+                f"cross-entropy targets must be class indices of shape {tuple(expected)} for "
+                f"logits {tuple(logits.shape)}; got {tuple(targets.shape)}"
+            )
+        if targets.is_floating_point() or targets.is_complex():
+            raise ValueError(
+                f"cross-entropy targets must be integer class indices, got dtype {targets.dtype}"
+            )
+        C = logits.shape[1]
+        if self.weight is not None and self.weight.numel() != C:
+            raise ValueError(f"weight has {self.weight.numel()} entries but the logits {C} classes")
+        valid = targets != self.ignore_index
+        bad = valid & ((targets < 0) | (targets >= C))
+        if bad.any():
+            raise ValueError(
+                f"cross-entropy target {targets[bad][0].item()} is outside [0, {C}) and not "
+                f"ignore_index={self.ignore_index}"
+            )
+        return targets.long()
+
+    def _position_weight(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """``w_y`` per position (0 where ignored), divided by the mean's count; ``[N, *]``."""
+        valid = targets != self.ignore_index
+        safe = torch.where(valid, targets, 0)
+        w = valid.to(logits.dtype)
+        if self.weight is not None:
+            w = w * self.weight.to(logits)[safe]
+        if self.reduction == "mean":
+            w = w / w.sum().clamp_min(torch.finfo(logits.dtype).tiny)
+        return w
+
+    def value(self, logits: Tensor, targets: Tensor) -> Tensor:
+        targets = self.check(logits, targets)
+        w = None if self.weight is None else self.weight.to(logits)
+        return F.cross_entropy(
+            logits,
+            targets,
+            weight=w,
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            reduction=self.reduction,
+        )
+
+    def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
+        targets = self.check(logits, targets)
+        p = torch.softmax(logits, 1)
+        return p * (1 - p) * self._position_weight(logits, targets).unsqueeze(1)
+
+    def hessian_block(self, logits: Tensor, targets: Tensor) -> Tensor:
+        targets = self.check(logits, targets)
+        p = torch.softmax(logits, 1)
+        w = self._position_weight(logits, targets)
+        eye = torch.eye(p.shape[1], dtype=p.dtype, device=p.device)
+        eye = eye.reshape(1, *eye.shape, *([1] * (p.dim() - 2)))
+        block = p.unsqueeze(2) * eye - p.unsqueeze(2) * p.unsqueeze(1)
+        return block * w.unsqueeze(1).unsqueeze(1)
+
+
+class MSE(Loss):
+    """Squared error ``ℓ = ½ Σ (f − y)²`` (laplace-torch's regression loss); Hessian ``1``.
+
+    Args:
+        reduction: ``"sum"`` or ``"mean"`` (divided by the number of entries).
+        factor: The loss is ``factor · Σ (f − y)²`` and its Hessian ``2 · factor``; ``½`` by
+            default, ``1`` for ``nn.MSELoss``.
+    """
+
+    def __init__(self, reduction: Reduction = "sum", factor: float = 0.5):
+        _check_reduction(reduction)
+        if factor <= 0:
+            raise ValueError(f"factor must be positive, got {factor}")
+        self.reduction, self.factor = reduction, factor
+
+    def check(self, logits: Tensor, targets: Tensor) -> Tensor:
+        if targets.shape != logits.shape:
+            raise ValueError(
+                f"MSE targets of shape {tuple(targets.shape)} do not match the outputs' shape "
+                f"{tuple(logits.shape)}"
+            )
+        return targets.to(logits.dtype)
+
+    def value(self, logits: Tensor, targets: Tensor) -> Tensor:
+        targets = self.check(logits, targets)
+        total = self.factor * (logits - targets).square().sum()
+        return total / logits.numel() if self.reduction == "mean" else total
+
+    def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
+        self.check(logits, targets)
+        h = torch.full_like(logits, 2 * self.factor)
+        return h / logits.numel() if self.reduction == "mean" else h
+
+
+_NAMES = {"bce": BCEWithLogits, "ce": CrossEntropy, "cross_entropy": CrossEntropy, "mse": MSE}
+
+
+def as_loss(loss: str | Loss | nn.Module) -> Loss:
+    """Turn a name, a :class:`Loss` or a ``torch.nn`` loss module into a :class:`Loss`.
+
+    Names: ``"bce"``, ``"ce"`` (or ``"cross_entropy"``), ``"mse"``, all summed over the batch.
+    Modules: ``nn.BCEWithLogitsLoss``, ``nn.CrossEntropyLoss`` and ``nn.MSELoss`` keep their own
+    options and reduction (``nn.MSELoss`` is ``Σ (f − y)²``, Hessian ``2``).
+
+    Raises:
+        ValueError: For an unknown name or ``reduction="none"``.
+        TypeError: For any other object.
+    """
+    if isinstance(loss, Loss):
+        return loss
+    if isinstance(loss, str):
+        try:
+            return _NAMES[loss.lower()]()
+        except KeyError:
+            raise ValueError(f"unknown loss {loss!r}; use one of {sorted(_NAMES)}") from None
+    if isinstance(loss, nn.modules.loss._Loss):
+        if loss.reduction not in ("sum", "mean"):
+            raise ValueError(
+                f"{type(loss).__name__}(reduction={loss.reduction!r}) has no scalar curvature; "
+                "use reduction='sum' or 'mean'"
+            )
+        if type(loss) is nn.BCEWithLogitsLoss:
+            return BCEWithLogits(loss.pos_weight, loss.weight, loss.reduction)
+        if type(loss) is nn.CrossEntropyLoss:
+            return CrossEntropy(
+                loss.weight, loss.ignore_index, loss.label_smoothing, loss.reduction
+            )
+        if type(loss) is nn.MSELoss:
+            return MSE(loss.reduction, factor=1.0)
+    raise TypeError(
+        f"unsupported loss {loss!r}: use 'bce', 'ce', 'mse', a lsn_ext Loss, or "
+        "nn.BCEWithLogitsLoss / nn.CrossEntropyLoss / nn.MSELoss"
+    )
