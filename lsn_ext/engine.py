@@ -376,6 +376,11 @@ class _Session(TorchFunctionMode):
         )
 
 
+def _inplace(name: str) -> bool:
+    """``mul_`` is in place; ``__rsub__`` is not."""
+    return name.endswith("_") and not name.endswith("__")
+
+
 def _needs_grad(tree: Any) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(tree))
 
@@ -463,8 +468,8 @@ def _interpolate(session: _Session, func, args, kwargs) -> Tensor:
     bound = _bind(args, kwargs, _INTERPOLATE_SPEC)
     if bound["mode"] in ("nearest", "nearest-exact"):
         return func(*args, **kwargs)
-    if bound["mode"] == "area" or bound["antialias"]:
-        raise session.unsupported("interpolate", "Modes 'area' and antialias=True have no rule.")
+    if bound["antialias"]:
+        raise session.unsupported("interpolate", "antialias=True has no module form; use False.")
     module = nn.Upsample(
         bound["size"],
         bound["scale_factor"],
@@ -493,7 +498,7 @@ def _scale(session: _Session, x: Tensor, c: Tensor | float, compute: Callable[[]
 
 
 def _mul(session: _Session, func, args, kwargs) -> Tensor:
-    if func.__name__.endswith("_"):
+    if _inplace(func.__name__):
         raise session.unsupported(func.__name__, "Write x = x * c instead of scaling in place.")
     a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
     if isinstance(a, Tensor) and a.requires_grad:
@@ -505,7 +510,7 @@ def _mul(session: _Session, func, args, kwargs) -> Tensor:
 
 def _div(session: _Session, func, args, kwargs) -> Tensor:
     a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
-    if func.__name__.endswith("_") or kwargs.get("rounding_mode") is not None:
+    if _inplace(func.__name__) or kwargs.get("rounding_mode") is not None:
         raise session.unsupported(func.__name__, "Write x = x / c (true division).")
     if isinstance(b, Tensor) and b.requires_grad:
         raise session.unsupported(func.__name__, "The divisor depends on parameters.")
@@ -513,7 +518,7 @@ def _div(session: _Session, func, args, kwargs) -> Tensor:
 
 
 def _neg(session: _Session, func, args, kwargs) -> Tensor:
-    if func.__name__.endswith("_"):
+    if _inplace(func.__name__):
         raise session.unsupported(func.__name__, "Write x = -x instead.")
     return _scale(session, args[0], -1.0, lambda: func(*args, **kwargs))
 
@@ -521,14 +526,14 @@ def _neg(session: _Session, func, args, kwargs) -> Tensor:
 def _sub(session: _Session, func, args, kwargs) -> Tensor:
     a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
     alpha = kwargs.get("alpha", 1)
-    if func.__name__ == "rsub":
+    if func.__name__ in ("rsub", "__rsub__"):
         a, b = b, a
     if not (isinstance(b, Tensor) and b.requires_grad) and alpha == 1:
         return func(*args, **kwargs)
-    if func.__name__.endswith("_"):
+    if _inplace(func.__name__):
         raise session.unsupported(func.__name__, "Write a = a - b instead of subtracting in place.")
     neg_b = _scale(session, b, -alpha, lambda: b * -alpha)
-    return torch.add(a, neg_b)
+    return torch.add(neg_b, a)
 
 
 def _add(session: _Session, func, args, kwargs) -> Tensor:
@@ -536,7 +541,7 @@ def _add(session: _Session, func, args, kwargs) -> Tensor:
     if alpha == 1:
         return func(*args, **kwargs)
     a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
-    if func.__name__.endswith("_"):
+    if _inplace(func.__name__):
         raise session.unsupported(func.__name__, "Write a = a + alpha * b instead.")
     return torch.add(a, _scale(session, b, alpha, lambda: b * alpha))
 
@@ -561,7 +566,7 @@ _HANDLERS: dict[str, Callable[..., Tensor]] = {
     **dict.fromkeys(("mul", "multiply", "mul_"), _mul),
     **dict.fromkeys(("div", "divide", "true_divide", "div_"), _div),
     **dict.fromkeys(("neg", "negative", "neg_"), _neg),
-    **dict.fromkeys(("sub", "subtract", "rsub", "sub_"), _sub),
+    **dict.fromkeys(("sub", "subtract", "rsub", "__rsub__", "sub_"), _sub),
     **dict.fromkeys(("add", "add_"), _add),
     "mean": _mean,
 }

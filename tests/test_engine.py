@@ -404,3 +404,93 @@ def test_tuple_output_is_refused():
 
     with pytest.raises(TypeError, match="returned tuple"):
         diag_backprop(Two(), torch.randn(1, 2, 4, 4), torch.ones(1, 1, 4, 4), "bce")
+
+
+def flip(a):
+    return a.flip(-1)
+
+
+# Each entry is the middle of conv -> ... -> 1×1 head: (name, function, inputs) nodes. Every node
+# is one layer for the dense reference, so each holds a single operation.
+FUNCTIONAL = {
+    "sigmoid": [("g", torch.sigmoid, ("h",))],
+    "tensor-tanh": [("g", lambda a: a.tanh(), ("h",))],
+    "leaky-relu": [("g", lambda a: F.leaky_relu(a, 0.3), ("h",))],
+    "elu": [("g", lambda a: F.elu(a, alpha=0.5), ("h",))],
+    "gelu-tanh": [("g", lambda a: F.gelu(a, approximate="tanh"), ("h",))],
+    "softplus": [("g", lambda a: F.softplus(a, beta=2.0), ("h",))],
+    "rsub": [("g", lambda a: 1.0 - a, ("h",))],
+    "sub-branches": [("r", flip, ("h",)), ("g", lambda a, b: a - b, ("r", "h"))],
+    "add-alpha": [
+        ("r", flip, ("h",)),
+        ("g", lambda a, b: torch.add(a, b, alpha=-2.0), ("h", "r")),
+    ],
+    "mul-constant-tensor": [("g", lambda a: a * torch.linspace(-1, 2, a.shape[-1]), ("h",))],
+    "div-constant": [("g", lambda a: a / 4.0, ("h",))],
+    "neg": [("g", lambda a: -a, ("h",))],
+    "mean-keepdim": [
+        ("m", lambda a: a.mean(dim=1, keepdim=True), ("h",)),
+        ("g", torch.add, ("h", "m")),
+    ],
+    "adaptive-avg-global": [
+        ("p", lambda a: F.adaptive_avg_pool2d(a, 1), ("h",)),
+        ("g", torch.add, ("h", "p")),
+    ],
+    "avg-pool-ceil": [
+        ("p", lambda a: F.avg_pool2d(a, 3, stride=2, padding=1, ceil_mode=True), ("h",)),
+        ("g", lambda a: F.interpolate(a, size=(6, 6)), ("p",)),
+    ],
+    "interpolate-area-bicubic": [
+        ("p", lambda a: F.interpolate(a, scale_factor=0.5, mode="area"), ("h",)),
+        ("g", lambda a: F.interpolate(a, scale_factor=2, mode="bicubic"), ("p",)),
+    ],
+    "dropout-eval": [("g", lambda a: F.dropout(a, 0.5, training=False), ("h",))],
+    "crop-and-pad": [
+        ("p", lambda a: a[..., 1:-1, 1:-1], ("h",)),
+        ("g", lambda a: F.pad(a, (1, 1, 1, 1), mode="replicate"), ("p",)),
+    ],
+}
+
+
+@pytest.mark.parametrize("middle", FUNCTIONAL.values(), ids=FUNCTIONAL.keys())
+def test_functional_operations_match_dense_reference(middle):
+    net = GraphNet(
+        {"c": nn.Conv2d(2, 3, 3, padding=1), "head": nn.Conv2d(3, 2, 1)},
+        [("h", "c", ("x",)), *middle, ("out", "head", ("g",))],
+        "out",
+    )
+    x, y = torch.randn(2, 2, 6, 6), torch.randint(0, 2, (2, 6, 6))
+    res = diag_backprop(net, x, y, "ce")
+    f = net(x).detach()
+    loss = CrossEntropy()
+    expected = dense_db(net, x, loss.hessian_diag(f, y), loss.hessian_block(f, y))
+    assert_diagonals_close(res.diagonals, expected)
+
+
+REFUSED = {
+    "exp": (lambda a: torch.exp(a), "'exp'"),
+    "square": (lambda a: a * a, "Both factors"),
+    "pow": (lambda a: a**2, "'pow'"),
+    "divide-by-branch": (lambda a: a / a.flip(-1), "divisor depends"),
+    "inplace-scale": (lambda a: a.clone().mul_(2.0), "Write x = x \\* c"),
+    "dropout-train": (lambda a: F.dropout(a, 0.5, training=True), "random Jacobian"),
+    "softmax": (lambda a: torch.softmax(a, 1), "'softmax'"),
+    "antialias": (
+        lambda a: F.interpolate(a, scale_factor=0.5, mode="bilinear", antialias=True),
+        "antialias",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED.values(), ids=REFUSED.keys())
+def test_unsupported_functional_operations_are_refused(case):
+    fn, pattern = case
+    net = GraphNet(
+        {"c": nn.Conv2d(2, 3, 3, padding=1), "head": nn.Conv2d(3, 1, 1)},
+        [("h", "c", ("x",)), ("g", fn, ("h",)), ("out", "head", ("g",))],
+        "out",
+    )
+    with pytest.raises(NotImplementedError, match=pattern) as info:
+        diag_backprop(net, torch.randn(1, 2, 4, 4), torch.ones(1, 1, 4, 4), "bce")
+    assert "in the forward of '<model>' (GraphNet)" in str(info.value)
+    assert "lsn_ext.register_rule" in str(info.value)
