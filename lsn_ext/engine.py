@@ -28,6 +28,7 @@ the duration of the call only and removed in a ``finally`` block; parameters, bu
 from __future__ import annotations
 
 import itertools
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -128,7 +129,16 @@ def diag_backprop(
     h_diag = loss_fn.hessian_diag(f, targets)
     if isinstance(loss_fn, CrossEntropy) and ce_first_step == "exact":
         session.block = (session.head_index(logits), loss_fn.hessian_block(f, targets))
-    grads = torch.autograd.grad(logits, chosen, grad_outputs=h_diag, allow_unused=True)
+    try:
+        grads = torch.autograd.grad(logits, chosen, grad_outputs=h_diag, allow_unused=True)
+    except RuntimeError as err:
+        if "modified by an inplace operation" not in str(err):
+            raise
+        raise RuntimeError(
+            "an in-place operation in forward modified a tensor that diagonal backprop needs "
+            "(the output of a Tanh or Sigmoid, or the input of a layer with a rule); write that "
+            f"operation out of place. PyTorch reported: {err}"
+        ) from None
     diagonals = {
         n: torch.zeros_like(p) if g is None else g
         for n, p, g in zip(names, chosen, grads, strict=True)
@@ -161,33 +171,35 @@ class _Call:
     session: _Session
     module: nn.Module
     rule: Rule
+    run: Callable[[Tensor], Tensor]
     index: int
     param_names: tuple[str, ...]
 
 
 class _RuleFunction(torch.autograd.Function):
-    """Runs a layer in forward and its DB rule in backward; params are inputs 3, 4, and so on."""
+    """Runs a layer in forward and its DB rule in backward; params are inputs 2, 3, and so on."""
 
     @staticmethod
-    def forward(ctx, call: _Call, run: Callable[[Tensor], Tensor], x: Tensor, *params: Tensor):
-        x_in = x.clone() if getattr(call.module, "inplace", False) else x
-        y = run(x)
+    def forward(ctx, call: _Call, x: Tensor, *params: Tensor):
+        rule = call.rule
+        x_in = x.clone() if rule.needs_input and getattr(call.module, "inplace", False) else x
+        y = call.run(x)
         if y is x:
             ctx.mark_dirty(x)
         ctx.call = call
-        if call.rule.needs_output:
-            ctx.save_for_backward(x_in, y)
-        else:
-            ctx.save_for_backward(x_in)
-            ctx.y_like = torch.empty(y.shape, dtype=y.dtype, device="meta")
+        ctx.save_for_backward(x_in if rule.needs_input else None, y if rule.needs_output else None)
+        ctx.like = ((x.shape, x.dtype), (y.shape, y.dtype))
         return y
 
     @staticmethod
     def backward(ctx, m_out: Tensor):
         call: _Call = ctx.call
-        x, y = ctx.saved_tensors if call.rule.needs_output else (*ctx.saved_tensors, ctx.y_like)
-        need_input = ctx.needs_input_grad[2]
-        need_params = any(ctx.needs_input_grad[3:])
+        x, y = (
+            t if t is not None else torch.empty(shape, dtype=dtype, device="meta")
+            for t, (shape, dtype) in zip(ctx.saved_tensors, ctx.like, strict=True)
+        )
+        need_input = ctx.needs_input_grad[1]
+        need_params = any(ctx.needs_input_grad[2:])
         block = call.session.take_block(call.index)
         if block is None:
             m_in, diags = call.rule.backward(call.module, x, y, m_out, need_input, need_params)
@@ -195,10 +207,10 @@ class _RuleFunction(torch.autograd.Function):
             m_in = call.rule.input_rule_block(call.module, x, y, block) if need_input else None
             _, diags = call.rule.backward(call.module, x, y, m_out, False, need_params)
         grads = (
-            diags.get(name) if ctx.needs_input_grad[3 + i] else None
+            diags.get(name) if ctx.needs_input_grad[2 + i] else None
             for i, name in enumerate(call.param_names)
         )
-        return None, None, m_in, *grads
+        return None, m_in, *grads
 
 
 class _ScaleFunction(torch.autograd.Function):
@@ -220,10 +232,7 @@ class _Session(TorchFunctionMode):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
-        self.paths: dict[int, str] = {}
-        for name, module in model.named_modules(remove_duplicate=False):
-            self.paths.setdefault(id(module), name or "<model>")
-        self.stack: list[nn.Module] = []
+        self._paths: dict[int, str] | None = None
         self.counter = itertools.count()
         self.last: tuple[int, Tensor, Rule] | None = None
         self.block: tuple[int, Tensor] | None = None
@@ -239,12 +248,17 @@ class _Session(TorchFunctionMode):
                 if id(module) in seen:
                     continue
                 seen.add(id(module))
-                self._handles.append(module.register_forward_pre_hook(self._pre_hook))
-                self._handles.append(
-                    module.register_forward_hook(self._post_hook, always_call=True)
-                )
                 rule = RULES.get(type(module))
-                if rule is not None and not rule.autograd_exact:
+                if rule is None:
+                    if not module._modules and any(
+                        p is not None for p in module._parameters.values()
+                    ):
+                        hook = module.register_forward_pre_hook(self._refuse)
+                        self._handles.append(hook)
+                    continue
+                if type(rule).check is not Rule.check:
+                    self._handles.append(module.register_forward_pre_hook(self._check))
+                if not rule.is_autograd_exact(module):
                     self._patch(module, rule)
             return super().__enter__()
         except BaseException:
@@ -262,16 +276,16 @@ class _Session(TorchFunctionMode):
             handle.remove()
         for module, previous in self._patched:
             if previous is None:
-                del module.forward
+                object.__delattr__(module, "forward")
             else:
-                module.forward = previous
+                object.__setattr__(module, "forward", previous)
         self._handles.clear()
         self._patched.clear()
 
     def _patch(self, module: nn.Module, rule: Rule) -> None:
         previous = module.__dict__.get("forward")
         run_original = previous if previous is not None else type(module).forward.__get__(module)
-        own = tuple(n for n, _ in module.named_parameters(recurse=False))
+        own = tuple(n for n, p in module._parameters.items() if p is not None)
 
         def forward(*args: Any, **kwargs: Any) -> Tensor:
             if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
@@ -285,31 +299,49 @@ class _Session(TorchFunctionMode):
                 return run_original(x)
             return self.apply_rule(module, rule, x, run_original, own, params)
 
-        module.forward = forward
+        # A plain instance attribute shadows the class's forward; nn.Module.__setattr__ is
+        # bypassed because a function is neither a parameter, a buffer nor a module.
+        object.__setattr__(module, "forward", forward)
         self._patched.append((module, previous))
 
     # -- forward-pass bookkeeping ---------------------------------------------------------------
 
-    def _pre_hook(self, module: nn.Module, args: Any) -> None:
-        self.stack.append(module)
-        rule = RULES.get(type(module))
-        if rule is not None:
-            try:
-                rule.check(module)
-            except ValueError as err:
-                raise ValueError(f"{self.describe(module)}: {err}") from None
-        elif not any(True for _ in module.children()) and any(
-            True for _ in module.parameters(recurse=False)
-        ):
-            get_rule(module, self.paths.get(id(module), ""))
+    def _check(self, module: nn.Module, args: Any) -> None:
+        """Pre-hook: the rule refuses the module's current mode (e.g. training mode)."""
+        try:
+            RULES[type(module)].check(module)
+        except ValueError as err:
+            raise ValueError(f"{self.describe(module)}: {err}") from None
 
-    def _post_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.stack and self.stack[-1] is module:
-            self.stack.pop()
+    def _refuse(self, module: nn.Module, args: Any) -> None:
+        """Pre-hook on a parametric leaf module without a rule: raise the registry's error."""
+        get_rule(module, self.path(module))
+
+    def current_module(self) -> nn.Module | None:
+        """The innermost module of the model whose code is running (for error messages).
+
+        Found by walking the Python frames, so the forward pass pays nothing for it.
+        """
+        self.path(self.model)
+        frame = sys._getframe(1)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, nn.Module) and id(owner) in self._paths:
+                return owner
+            frame = frame.f_back
+        return None
+
+    def path(self, module: nn.Module) -> str:
+        """The module's dotted path in the model (computed on first use: errors only)."""
+        if self._paths is None:
+            self._paths = {}
+            for name, m in self.model.named_modules(remove_duplicate=False):
+                self._paths.setdefault(id(m), name or "<model>")
+        return self._paths.get(id(module), "?")
 
     def describe(self, module: nn.Module) -> str:
         """``'path' (Class)`` for error messages."""
-        return f"'{self.paths.get(id(module), '?')}' ({type(module).__name__})"
+        return f"'{self.path(module)}' ({type(module).__name__})"
 
     def apply_rule(
         self,
@@ -321,8 +353,8 @@ class _Session(TorchFunctionMode):
         params: Sequence[Tensor] = (),
     ) -> Tensor:
         """Run ``run(x)`` as one DB node with ``rule``."""
-        call = _Call(self, module, rule, next(self.counter), param_names)
-        y = _RuleFunction.apply(call, run, x, *params)
+        call = _Call(self, module, rule, run, next(self.counter), param_names)
+        y = _RuleFunction.apply(call, x, *params)
         self.last = (call.index, y, rule)
         return y
 
@@ -350,9 +382,9 @@ class _Session(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not torch.is_grad_enabled():
-            return func(*args, **kwargs)
         name = getattr(func, "__name__", None)
+        if not torch.is_grad_enabled() or name in _PASS_THROUGH:
+            return func(*args, **kwargs)
         handler = _HANDLERS.get(name)
         if handler is not None and _needs_grad((args, kwargs)):
             return handler(self, func, args, kwargs)
@@ -363,7 +395,8 @@ class _Session(TorchFunctionMode):
 
     def unsupported(self, name: str, detail: str = "") -> NotImplementedError:
         """The error for an operation in ``forward`` that DB cannot propagate through."""
-        where = self.describe(self.stack[-1]) if self.stack else "the model"
+        module = self.current_module()
+        where = "the model" if module is None else self.describe(module)
         return NotImplementedError(
             f"Diagonal backprop cannot propagate through '{name}' in the forward of {where}: "
             "its Jacobian has entries other than 0 and 1 and no rule covers it."
@@ -598,3 +631,5 @@ _STRUCTURAL = frozenset(
         "adaptive_max_pool2d", "adaptive_max_pool3d", "interpolate",
     }
 )  # fmt: skip
+
+_PASS_THROUGH = _STRUCTURAL - _HANDLERS.keys()

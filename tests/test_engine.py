@@ -366,10 +366,15 @@ def test_unsupported_models_raise_clear_errors(case):
     assert_unchanged(net, before)
 
 
-def test_exact_ce_needs_head_as_last_operation():
-    net = nn.Sequential(nn.Conv2d(2, 3, 1), nn.Upsample(scale_factor=2, mode="nearest"))
+@pytest.mark.parametrize(
+    ("mode", "origin"),
+    [("nearest", "UpsampleNearest2DBackward0"), ("bilinear", "UpsampleRule")],
+    ids=["after-autograd-op", "after-rule-without-block"],
+)
+def test_exact_ce_needs_head_as_last_operation(mode, origin):
+    net = nn.Sequential(nn.Conv2d(2, 3, 1), nn.Upsample(scale_factor=2, mode=mode))
     x, y = torch.randn(1, 2, 4, 4), torch.randint(0, 3, (1, 8, 8))
-    with pytest.raises(ValueError, match=r"direct output of a Linear.*UpsampleRule.*'diag'"):
+    with pytest.raises(ValueError, match=rf"direct output of a Linear.*{origin}.*'diag'"):
         diag_backprop(net, x, y, "ce")
     assert diag_backprop(net, x, y, "ce", ce_first_step="diag").vector.min() >= 0
 
@@ -494,3 +499,18 @@ def test_unsupported_functional_operations_are_refused(case):
         diag_backprop(net, torch.randn(1, 2, 4, 4), torch.ones(1, 1, 4, 4), "bce")
     assert "in the forward of '<model>' (GraphNet)" in str(info.value)
     assert "lsn_ext.register_rule" in str(info.value)
+
+
+def test_inplace_change_of_a_needed_output_is_reported_clearly():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.t, self.head = nn.Conv2d(2, 2, 1), nn.Tanh(), nn.Conv2d(2, 1, 1)
+
+        def forward(self, x):
+            h = self.t(self.c(x))
+            h += 1.0
+            return self.head(h)
+
+    with pytest.raises(RuntimeError, match="in-place operation in forward modified"):
+        diag_backprop(Net(), torch.randn(1, 2, 4, 4), torch.ones(1, 1, 4, 4), "bce")

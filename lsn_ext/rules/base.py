@@ -42,13 +42,17 @@ class Rule:
         autograd_exact: True when every entry of the layer's input Jacobian is 0 or 1 and the
             layer has no parameters, so that squaring changes nothing and the ordinary backward
             pass already is the DB step. Adapters may then leave the layer to autograd.
-        needs_output: True when the rule reads the *values* of ``y``. Otherwise adapters may
-            pass a tensor with ``y``'s shape and dtype only (e.g. on the ``meta`` device), and
-            need not keep the output alive, which in-place operations after the layer (an
-            ``nn.ReLU(inplace=True)`` after a convolution) would otherwise invalidate.
+        needs_input: False when the rule reads only the shape of ``x``, not its values.
+        needs_output: True when the rule reads the *values* of ``y``.
+
+    Where a rule does not read a tensor's values, adapters may pass a tensor with its shape and
+    dtype only (on the ``meta`` device) and need not keep it alive: that saves memory, and an
+    in-place operation after the layer (``nn.ReLU(inplace=True)`` after a convolution) cannot
+    invalidate what the rule needs.
     """
 
     autograd_exact: ClassVar[bool] = False
+    needs_input: ClassVar[bool] = True
     needs_output: ClassVar[bool] = False
 
     def check(self, module: nn.Module) -> None:
@@ -95,6 +99,14 @@ class Rule:
         m_in = self.input_rule(module, x, y, m_out) if need_input else None
         diags = self.param_rule(module, x, y, m_out) if need_params else {}
         return m_in, diags
+
+    def is_autograd_exact(self, module: nn.Module) -> bool:
+        """Whether the ordinary backward pass of ``module`` already is its DB step.
+
+        ``autograd_exact`` by default; rules whose answer depends on the configuration (nearest
+        vs. interpolating upsampling) override this.
+        """
+        return self.autograd_exact
 
     @classmethod
     def has_block_rule(cls) -> bool:

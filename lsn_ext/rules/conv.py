@@ -233,8 +233,8 @@ class ConvRule(Rule):
         x_in = geo.x.detach()
         grad_in, grad_w, grad_b = torch.ops.aten.convolution_backward(
             geo.batch(m_out.detach()),
-            x_in.square() if need_params else x_in,
-            module.weight.detach().square(),
+            x_in * x_in if need_params else x_in,
+            module.weight.detach() * module.weight.detach(),
             [module.out_channels] if has_bias else None,
             list(module.stride),
             geo.padding,

@@ -34,22 +34,32 @@ class ElementwiseRule(Rule):
         raise NotImplementedError
 
     def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
-        return self.derivative(module, x, y).square() * m_out
+        d = self.derivative(module, x, y)
+        return d * d * m_out
 
 
 class TanhRule(ElementwiseRule):
-    """``φ'(x) = 1 − tanh(x)²`` (recomputed from ``x``)."""
+    """``φ'(x) = 1 − y²`` with ``y = tanh(x)``; reads only the output (fused ``tanh_backward``)."""
+
+    needs_input, needs_output = False, True
 
     def derivative(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        return 1 - torch.tanh(x).square()
+        return 1 - y * y
+
+    def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
+        return torch.ops.aten.tanh_backward(torch.ops.aten.tanh_backward(m_out, y), y)
 
 
 class SigmoidRule(ElementwiseRule):
-    """``φ'(x) = σ(x)(1 − σ(x))`` (recomputed from ``x``)."""
+    """``φ'(x) = y(1 − y)`` with ``y = σ(x)``; reads only the output (``sigmoid_backward``)."""
+
+    needs_input, needs_output = False, True
 
     def derivative(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        s = torch.sigmoid(x)
-        return s * (1 - s)
+        return y * (1 - y)
+
+    def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
+        return torch.ops.aten.sigmoid_backward(torch.ops.aten.sigmoid_backward(m_out, y), y)
 
 
 class ReLURule(ElementwiseRule):

@@ -24,13 +24,15 @@ class LinearRule(Rule):
     """
 
     def input_rule(self, module: nn.Linear, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
-        return m_out @ module.weight.square()
+        W = module.weight.detach()
+        return m_out @ (W * W)
 
     def param_rule(
         self, module: nn.Linear, x: Tensor, y: Tensor, m_out: Tensor
     ) -> dict[str, Tensor]:
         m2 = m_out.reshape(-1, m_out.shape[-1])
-        diags = {"weight": m2.T @ x.reshape(-1, x.shape[-1]).square()}
+        x2 = x.reshape(-1, x.shape[-1])
+        diags = {"weight": m2.T @ (x2 * x2)}
         if module.bias is not None:
             diags["bias"] = m2.sum(0)
         return diags

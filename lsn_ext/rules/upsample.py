@@ -182,6 +182,10 @@ class UpsampleRule(Rule):
     not marked ``autograd_exact`` because the interpolating modes are not.
     """
 
+    def is_autograd_exact(self, module: nn.Upsample) -> bool:
+        """Nearest modes copy inputs (a 0/1 Jacobian): their backward pass is the DB step."""
+        return module.mode in _NEAREST_MODES
+
     def input_rule(self, module: nn.Upsample, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
         """Return ``m_in = (J ∘ J)^T m_out``, shaped like ``x`` (see :func:`interpolate_rule`)."""
         return interpolate_rule(

@@ -22,6 +22,8 @@ MODULES = {
     "unflatten": lambda: nn.Unflatten(2, (2, 2)),
     "dropout-eval": lambda: nn.Dropout(0.5).eval(),
     "dropout1d-eval": lambda: nn.Dropout1d(0.5).eval(),
+    "upsample-nearest": lambda: nn.Upsample(scale_factor=2),
+    "upsample-linear": lambda: nn.Upsample(scale_factor=2, mode="linear"),
 }
 
 
@@ -32,17 +34,20 @@ def test_parameter_free_rule_matches_jacrev(make):
     assert_rule_matches(get_rule(module), module, x)
 
 
-@pytest.mark.parametrize("name", ["relu", "identity", "flatten", "unflatten", "dropout-eval"])
+@pytest.mark.parametrize(
+    "name", ["relu", "identity", "flatten", "unflatten", "dropout-eval", "upsample-nearest"]
+)
 def test_autograd_exact_rules_have_zero_one_jacobians(name):
     module = MODULES[name]()
-    assert get_rule(module).autograd_exact
+    assert get_rule(module).is_autograd_exact(module)
     J = jacrev(module)(3 * torch.randn(2, 3, 4))
     assert set(J.unique().tolist()) <= {0.0, 1.0}
 
 
 def test_rules_with_other_jacobians_are_not_autograd_exact():
-    for name in ("tanh", "leaky-relu-0.2", "gelu", "softplus-beta2-threshold1"):
-        assert not get_rule(MODULES[name]()).autograd_exact, name
+    for name in ("tanh", "leaky-relu-0.2", "gelu", "softplus-beta2-threshold1", "upsample-linear"):
+        module = MODULES[name]()
+        assert not get_rule(module).is_autograd_exact(module), name
 
 
 @pytest.mark.parametrize("cls", [nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d])
