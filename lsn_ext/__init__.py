@@ -6,6 +6,12 @@ shared by adapters for laplace-torch, BackPACK and StochMan, and Laplacian Segme
 
 from lsn_ext import rules
 from lsn_ext.engine import DiagBackpropResult, diag_backprop
+from lsn_ext.laplace_ext import (
+    DiagBackprop,
+    SegmentationPrediction,
+    gridsearch_prior_precision,
+    predict,
+)
 from lsn_ext.rules import get_rule, register_rule, supported_modules
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss
 
@@ -15,11 +21,15 @@ __all__ = [
     "MSE",
     "BCEWithLogits",
     "CrossEntropy",
+    "DiagBackprop",
     "DiagBackpropResult",
     "Loss",
+    "SegmentationPrediction",
     "__version__",
     "diag_backprop",
     "get_rule",
+    "gridsearch_prior_precision",
+    "predict",
     "register_rule",
     "rules",
     "supported_modules",
