@@ -4,6 +4,9 @@ Diagonal backpropagation (a GGN diagonal in one backward pass) over ordinary U-N
 shared by adapters for laplace-torch, BackPACK and StochMan, and Laplacian Segmentation Networks.
 """
 
+import importlib
+from types import ModuleType
+
 from lsn_ext import rules
 from lsn_ext.engine import DiagBackpropResult, diag_backprop
 from lsn_ext.laplace_ext import (
@@ -26,6 +29,7 @@ __all__ = [
     "Loss",
     "SegmentationPrediction",
     "__version__",
+    "backpack_ext",
     "diag_backprop",
     "get_rule",
     "gridsearch_prior_precision",
@@ -34,3 +38,12 @@ __all__ = [
     "rules",
     "supported_modules",
 ]
+
+_ADAPTERS = ("backpack_ext",)
+
+
+def __getattr__(name: str) -> ModuleType:
+    """Import the adapters on first use (``lsn_ext.backpack_ext`` pulls in BackPACK and fx)."""
+    if name in _ADAPTERS:
+        return importlib.import_module(f"lsn_ext.{name}")
+    raise AttributeError(f"module 'lsn_ext' has no attribute {name!r}")
