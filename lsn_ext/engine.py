@@ -28,6 +28,7 @@ the duration of the call only and removed in a ``finally`` block; parameters, bu
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from lsn_ext.rules import RULES, AvgPoolRule, Rule, UpsampleRule, get_rule
-from lsn_ext.rules.elementwise import scale_rule
+from lsn_ext.rules.elementwise import scale_forward_rule, scale_rule
 from lsn_ext.rules.losses import CrossEntropy, Loss, as_loss
 
 __all__ = ["DiagBackpropResult", "diag_backprop"]
@@ -126,9 +127,14 @@ def diag_backprop(
         raise ValueError("the model output does not depend on any parameter that requires grad")
     f = logits.detach()
     value = loss_fn.value(f, targets)
-    h_diag = loss_fn.hessian_diag(f, targets)
+    # DB is linear in m. Squared derivatives shrink m quickly (saturated tanh: (1 − y²)² below
+    # 1e-38), and float32 subnormals are ~10× slower on CPUs; a power-of-two scale keeps m in the
+    # normal range and is undone exactly at the end.
+    scale = 2.0 ** (math.frexp(torch.finfo(f.dtype).max)[1] // 4)
+    h_diag = loss_fn.hessian_diag(f, targets).contiguous() * scale
     if isinstance(loss_fn, CrossEntropy) and ce_first_step == "exact":
-        session.block = (session.head_index(logits), loss_fn.hessian_block(f, targets))
+        block = loss_fn.hessian_block(f, targets) * scale
+        session.block = (session.head_index(logits), block)
     try:
         grads = torch.autograd.grad(logits, chosen, grad_outputs=h_diag, allow_unused=True)
     except RuntimeError as err:
@@ -140,9 +146,15 @@ def diag_backprop(
             f"operation out of place. PyTorch reported: {err}"
         ) from None
     diagonals = {
-        n: torch.zeros_like(p) if g is None else g
+        n: torch.zeros_like(p) if g is None else g / scale
         for n, p, g in zip(names, chosen, grads, strict=True)
     }
+    if not all(torch.isfinite(d).all() for d in diagonals.values()):
+        bad = next(n for n, d in diagonals.items() if not torch.isfinite(d).all())
+        raise FloatingPointError(
+            f"the DB diagonal of '{bad}' is not finite (overflow in {f.dtype}); check the inputs "
+            "and weights for extreme values, or compute in float64"
+        )
     return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
 
 
@@ -177,19 +189,49 @@ class _Call:
 
 
 class _RuleFunction(torch.autograd.Function):
-    """Runs a layer in forward and its DB rule in backward; params are inputs 2, 3, and so on."""
+    """Runs a layer in forward and its DB rule in backward; params are inputs 2, 3, and so on.
+
+    In a forward-mode session (:func:`lsn_ext.forward.linearized_variance`) the tangents are
+    variances and :meth:`jvp` applies the rule's squared forward step instead.
+    """
 
     @staticmethod
     def forward(ctx, call: _Call, x: Tensor, *params: Tensor):
         rule = call.rule
-        x_in = x.clone() if rule.needs_input and getattr(call.module, "inplace", False) else x
+        fwd = call.session.forward_mode
+        inplace = getattr(call.module, "inplace", False)
+        x_in = x.clone() if (rule.needs_input or fwd) and inplace else x
         y = call.run(x)
         if y is x:
             ctx.mark_dirty(x)
         ctx.call = call
         ctx.save_for_backward(x_in if rule.needs_input else None, y if rule.needs_output else None)
         ctx.like = ((x.shape, x.dtype), (y.shape, y.dtype))
+        if fwd:
+            ctx.save_for_forward(x_in, y)
+            ctx.set_materialize_grads(False)  # absent tangents (zero variance) arrive as None
+            ctx.in_place = y is x
         return y
+
+    @staticmethod
+    def jvp(ctx, _call_tangent: None, v_in: Tensor | None, *param_vars: Tensor | None):
+        """``v_out = rule.forward_rule(...)``: the tangents are variances, not perturbations."""
+        call: _Call = ctx.call
+        if not call.session.forward_mode:
+            raise RuntimeError(
+                "forward-mode AD through diag_backprop is not supported; for the linearised "
+                "variance use lsn_ext.forward.linearized_variance"
+            )
+        x, y = ctx.saved_tensors
+        var = {n: v for n, v in zip(call.param_names, param_vars, strict=True) if v is not None}
+        # No grad: the session's TorchFunctionMode must not route the rule's own operations.
+        with torch.no_grad():
+            v_out = call.rule.forward_rule(call.module, x, y, v_in, var)
+            if ctx.in_place:
+                # Forward AD requires an in-place layer to update its input's tangent in place;
+                # an input without one has zero variance, and so has a parameter-free output.
+                return None if v_in is None else v_in.copy_(v_out)
+        return v_out
 
     @staticmethod
     def backward(ctx, m_out: Tensor):
@@ -225,13 +267,23 @@ class _ScaleFunction(torch.autograd.Function):
     def backward(ctx, m_out: Tensor):
         return scale_rule(m_out, ctx.c, ctx.shape), None, None
 
+    @staticmethod
+    def jvp(ctx, v_in: Tensor, _c_tangent: None, _compute_tangent: None):
+        """Forward-mode session: ``v_out = c² · v_in`` (:func:`scale_forward_rule`)."""
+        c = ctx.c
+        shape = torch.broadcast_shapes(ctx.shape, c.shape if isinstance(c, Tensor) else ())
+        with torch.no_grad():
+            return scale_forward_rule(v_in, c, shape)
+
 
 class _Session(TorchFunctionMode):
     """State of one DB forward pass: installs and removes everything on ``model``."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, *, forward_mode: bool = False):
         super().__init__()
         self.model = model
+        # True for the forward (linearised variance) pass: rule nodes save what jvp needs.
+        self.forward_mode = forward_mode
         self._paths: dict[int, str] | None = None
         self.counter = itertools.count()
         self.last: tuple[int, Tensor, Rule] | None = None

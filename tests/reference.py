@@ -153,3 +153,124 @@ def loss_hessian_dense(loss, f: Tensor) -> Tensor:
     from torch.func import hessian
 
     return hessian(loss)(f.detach()).reshape(f.numel(), f.numel())
+
+
+# -- forward (linearised variance) references ------------------------------------------------
+
+
+def squared_forward_input_rule(fn, x: Tensor, v_in: Tensor) -> Tensor:
+    """``Σ_i J_oi² v_i`` shaped like ``fn(x)``, with ``J = ∂fn(x)/∂x``."""
+    y = fn(x)
+    J = jacobian_matrix(fn, x)
+    return (J.square() @ v_in.reshape(-1)).reshape(y.shape)
+
+
+def squared_forward_param_rule(
+    module: nn.Module, x: Tensor, param_var: dict, kwargs: dict | None = None
+) -> Tensor:
+    """``Σ_θ J_oθ² σ²_θ`` over the module's own parameters named in ``param_var``.
+
+    ``kwargs`` are passed to the module's forward with ``x``.
+    """
+    params = {k: p.detach() for k, p in module.named_parameters(recurse=False)}
+    y = functional_call(module, params, (x,), kwargs)
+    out = torch.zeros(y.numel(), dtype=y.dtype)
+    if not params:
+        return out.reshape(y.shape)
+    jac = jacrev(lambda p: functional_call(module, p, (x,), kwargs))(params)
+    for k, var in param_var.items():
+        out += jac[k].reshape(y.numel(), -1).square() @ var.reshape(-1)
+    return out.reshape(y.shape)
+
+
+def exact_linearized_variance(model: nn.Module, x: Tensor, param_var: dict) -> Tensor:
+    """The exact ``Var f_o = Σ_θ J_oθ² σ²_θ`` from the full Jacobian w.r.t. the parameters."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    f = functional_call(model, params, (x,))
+    jac = jacrev(lambda p: functional_call(model, p, (x,)))(params)
+    out = torch.zeros(f.numel(), dtype=f.dtype)
+    for k, var in param_var.items():
+        out += jac[k].reshape(f.numel(), -1).square() @ var.reshape(-1)
+    return out.reshape(f.shape)
+
+
+def assert_forward_rule_matches(rule, module: nn.Module, x: Tensor, **kwargs) -> None:
+    """Check ``rule.forward_rule`` on ``module`` at ``x`` against the dense references.
+
+    Random input variance and random variances for every own parameter; then zero input
+    variance (``None``), no parameter variance, and each parameter alone (missing names are
+    zero). Also checks shapes, non-negativity, and that nothing was modified. ``kwargs`` are
+    passed to the module's forward with ``x`` (e.g. ``output_size``).
+    """
+
+    def fn(t):
+        return module(t, **kwargs)
+
+    with torch.no_grad():
+        y = fn(x)
+    v_in = torch.rand_like(x)
+    param_var = {k: torch.rand_like(p) for k, p in module.named_parameters(recurse=False)}
+    x0, v0 = x.clone(), v_in.clone()
+    pv0 = {k: v.clone() for k, v in param_var.items()}
+    state0 = {k: v.clone() for k, v in module.state_dict().items()}
+
+    from_input = squared_forward_input_rule(fn, x, v_in)
+    # Each parameter's own term, then their sum.
+    own = {k: squared_forward_param_rule(module, x, {k: v}, kwargs) for k, v in param_var.items()}
+    from_params = sum(own.values(), torch.zeros_like(y))
+    cases = {
+        "input+params": (v_in, param_var, from_input + from_params),
+        "input-only": (v_in, {}, from_input),
+        "params-only": (None, param_var, from_params),
+    }
+    for k in param_var:
+        cases[f"only-{k}"] = (None, {k: param_var[k]}, own[k])
+    for name, (v, pv, expected) in cases.items():
+        v_out = rule.forward_rule(module, x, y, v, pv)
+        assert v_out.shape == y.shape, name
+        torch.testing.assert_close(v_out, expected, rtol=1e-10, atol=1e-12, msg=name)
+        assert (v_out >= 0).all(), name
+    zero = rule.forward_rule(module, x, y, None, {})
+    assert zero.shape == y.shape
+    assert (zero == 0).all()
+
+    torch.testing.assert_close(x, x0, rtol=0, atol=0)
+    torch.testing.assert_close(v_in, v0, rtol=0, atol=0)
+    for k, v in param_var.items():
+        torch.testing.assert_close(v, pv0[k], rtol=0, atol=0)
+    for k, v in module.state_dict().items():
+        torch.testing.assert_close(v, state0[k], rtol=0, atol=0)
+
+
+def dense_forward(net, x: Tensor, param_var: dict) -> Tensor:
+    """Forward "D after every layer" by brute force on a :class:`tests.networks.GraphNet`.
+
+    Each node's output variance is ``Σ_j (J_j ∘ J_j) v_j + Σ_θ (J_θ ∘ J_θ) σ²_θ`` from its dense
+    Jacobians (jacrev) w.r.t. each input ``j`` and each own parameter; the input has zero
+    variance. ``param_var`` maps names of ``net.named_parameters()`` to variances (missing: 0).
+    Returns the variance of the output node.
+    """
+    values = {"x": x.detach()}
+    var = {"x": torch.zeros_like(x)}
+    names = {id(p): n for n, p in net.named_parameters()}
+    with torch.no_grad():
+        for out, op, ins in net.nodes:
+            f = net.op(op)
+            args = [values[i] for i in ins]
+            values[out] = f(*args)
+            total = torch.zeros_like(values[out])
+            for j, name in enumerate(ins):
+
+                def fj(z, j=j, args=args, f=f):
+                    return f(*args[:j], z, *args[j + 1 :])
+
+                total += squared_forward_input_rule(fj, args[j], var[name])
+            if isinstance(op, str):
+                own = {
+                    k: param_var[names[id(p)]]
+                    for k, p in f.named_parameters(recurse=False)
+                    if names[id(p)] in param_var
+                }
+                total += squared_forward_param_rule(f, args[0], own)
+            var[out] = total
+    return var[net.output]

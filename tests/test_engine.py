@@ -326,16 +326,27 @@ class MyConv(nn.Conv2d):
     pass
 
 
+class ScaledConv(nn.Conv2d):
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
 ERRORS = {
     "layernorm-module": (
         lambda: nn.Sequential(nn.Conv2d(2, 1, 1), nn.LayerNorm([1, 4, 4])),
         NotImplementedError,
-        r"no rule for LayerNorm at '1'.*Supported modules: Linear, Conv1d",
+        r"no rule for torch.nn.LayerNorm at '1'.*Supported modules: Linear, Conv1d",
     ),
     "subclass-hint": (
         lambda: nn.Sequential(MyConv(2, 1, 1)),
         NotImplementedError,
-        r"subclasses Conv2d.*register_rule\(MyConv, lsn_ext.rules.ConvRule\(\)\)",
+        r"subclasses torch.nn.Conv2d without changing forward.*"
+        r"register_rule\(MyConv, lsn_ext.rules.ConvRule\(\)\)",
+    ),
+    "subclass-with-own-forward": (
+        lambda: nn.Sequential(ScaledConv(2, 1, 1)),
+        NotImplementedError,
+        r"subclasses torch.nn.Conv2d but overrides forward, so that rule does not apply",
     ),
     "product-of-branches": (Gate, NotImplementedError, r"'mul'.*'<model>' \(Gate\).*Both factors"),
     "custom-activation": (

@@ -126,6 +126,14 @@ def supported_modules() -> list[str]:
     return sorted(f"{cls.__module__}.{cls.__qualname__}" for cls in RULES)
 
 
+def _name(cls: type) -> str:
+    """``torch.nn.Conv2d``-style name, unambiguous for subclasses of the same name."""
+    module = cls.__module__.replace("torch.nn.modules.", "torch.nn.").split(".")
+    if module[:2] == ["torch", "nn"]:
+        module = ["torch", "nn"]
+    return f"{'.'.join(module)}.{cls.__qualname__}"
+
+
 def get_rule(module: nn.Module, path: str = "") -> Rule:
     """Return the rule registered for ``type(module)``.
 
@@ -140,16 +148,23 @@ def get_rule(module: nn.Module, path: str = "") -> Rule:
     try:
         return RULES[type(module)]
     except KeyError:
+        cls = type(module)
         where = f" at '{path}'" if path else ""
-        parent = next((c for c in type(module).__mro__[1:] if c in RULES), None)
-        hint = (
-            f" It subclasses {parent.__qualname__}; if its forward is unchanged, register it with "
-            f"lsn_ext.register_rule({type(module).__qualname__}, "
-            f"lsn_ext.rules.{type(RULES[parent]).__name__}())."
-            if parent is not None
-            else " Write a lsn_ext.rules.Rule for it and call lsn_ext.register_rule."
-        )
+        parent = next((c for c in cls.__mro__[1:] if c in RULES), None)
+        if parent is not None and cls.forward is parent.forward:
+            hint = (
+                f" It subclasses {_name(parent)} without changing forward: register it with "
+                f"lsn_ext.register_rule({cls.__qualname__}, "
+                f"lsn_ext.rules.{type(RULES[parent]).__name__}())."
+            )
+        elif parent is not None:
+            hint = (
+                f" It subclasses {_name(parent)} but overrides forward, so that rule does not "
+                "apply: write a lsn_ext.rules.Rule for it and call lsn_ext.register_rule."
+            )
+        else:
+            hint = " Write a lsn_ext.rules.Rule for it and call lsn_ext.register_rule."
         raise NotImplementedError(
-            f"Diagonal backprop has no rule for {type(module).__qualname__}{where}.{hint} "
+            f"Diagonal backprop has no rule for {_name(cls)}{where}.{hint} "
             f"Supported modules: {', '.join(c.__qualname__ for c in RULES)}."
         ) from None

@@ -17,21 +17,51 @@ module, its inputs or ``m_out``.
 Shapes: ``x`` is the layer input, ``y`` the output (``[N, *]`` each), ``m_out`` has the shape of
 ``y``, the returned ``m_in`` the shape of ``x``, and each parameter diagonal the shape of its
 parameter.
+
+The forward counterpart (:meth:`Rule.forward_rule`) propagates a *variance* vector ``v`` the other
+way, with the same squared Jacobians: for inputs and parameters with independent errors of
+variances ``v_in`` and ``σ²_θ``, the layer linearised at ``(x, θ)`` has the output variance
+
+.. math::
+
+    v_{out} = (J_x \circ J_x)\, v_{in} + (J_θ \circ J_θ)\, σ^2_θ,
+
+the diagonal of ``J_x diag(v_in) J_xᵀ + J_θ diag(σ²_θ) J_θᵀ``. For one layer this is its exact
+linearised (delta-method) variance; through a network, taking the diagonal after every layer drops
+the covariances between activations ("D after every layer", forward).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
+import torch
 from torch import Tensor, nn
 
 __all__ = ["Rule"]
 
 
+def _total(y: Tensor, terms: Sequence[Tensor | None]) -> Tensor:
+    """The sum of the ``terms`` that are not ``None``, broadcast to the shape of ``y``.
+
+    Forward rules add one variance term for the input and one per parameter; absent inputs or
+    parameters contribute nothing, and no term at all means zero variance.
+    """
+    out: Tensor | None = None
+    for term in terms:
+        if term is not None:
+            out = term if out is None else out + term
+    if out is None:
+        return torch.zeros(y.shape, dtype=y.dtype, device=y.device)
+    return out if out.shape == y.shape else out.expand(y.shape).contiguous()
+
+
 class Rule:
     """A diagonal-backprop rule for one module type.
 
-    Subclasses implement :meth:`input_rule` and, for parametric layers, :meth:`param_rule`.
+    Subclasses implement :meth:`input_rule` and, for parametric layers, :meth:`param_rule`, and
+    the forward counterpart :meth:`forward_rule` (linearised variance).
     Layers that get input and parameter diagonals from one fused kernel (convolutions) override
     :meth:`backward` as well. Layers whose output is linear in the input may implement
     :meth:`input_rule_block`, used by the exact first step of the cross-entropy loss.
@@ -82,6 +112,37 @@ class Rule:
         parameter's shape and is summed over the batch. Parameter-free layers return ``{}``.
         """
         return {}
+
+    def forward_rule(
+        self,
+        module: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        v_in: Tensor | None,
+        param_var: Mapping[str, Tensor],
+    ) -> Tensor:
+        """Return ``v_out = (J_x ∘ J_x) v_in + Σ_θ (J_θ ∘ J_θ) σ²_θ``, shaped like ``y``.
+
+        The forward counterpart of :meth:`backward`: exact for the layer (its linearised variance)
+        given independent inputs and parameters.
+
+        Args:
+            module: The layer.
+            x: Its input ``[N, *]``.
+            y: Its output ``[N, *]`` for that input.
+            v_in: Variance of ``x``, shaped like ``x``; ``None`` means zero (a fixed input).
+            param_var: Variance of the module's own parameters, name (as in
+                ``module.named_parameters(recurse=False)``) → tensor shaped like the parameter.
+                Missing names have zero variance.
+
+        Raises:
+            NotImplementedError: If the rule has no forward counterpart.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} has no forward_rule for {type(module).__name__}, so the "
+            "linearised variance cannot be propagated through it; implement "
+            "Rule.forward_rule for it"
+        )
 
     def backward(
         self,

@@ -10,13 +10,14 @@ together.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lsn_ext.rules.base import Rule
+from lsn_ext.rules.base import Rule, _total
 
 __all__ = ["ConvRule"]
 
@@ -49,6 +50,20 @@ class _Geometry:
     def batch(self, t: Tensor) -> Tensor:
         """Add the batch dimension to an output-side tensor if the input had none."""
         return t.unsqueeze(0) if self.unbatched else t
+
+    def from_input(self, v: Tensor) -> Tensor:
+        """Map an input-side tensor forward through the batch dimension and the explicit padding.
+
+        The forward counterpart of :meth:`to_input`: the padding's Jacobian has entries 0 and 1,
+        so ``F.pad(v, pad, mode)`` (zeros outside for zero padding, copies of the reflected,
+        replicated or wrapped entries otherwise) is its exact forward variance step.
+        """
+        v = v.unsqueeze(0) if self.unbatched else v
+        return F.pad(v, self.pad, mode=self.mode) if self.pad is not None else v
+
+    def unbatch(self, t: Tensor) -> Tensor:
+        """Remove the batch dimension of an output-side tensor if the input had none."""
+        return t.squeeze(0) if self.unbatched else t
 
     def to_input(self, m: Tensor) -> Tensor:
         """Map a diagonal on ``x`` back through the explicit padding and the batch dimension.
@@ -183,6 +198,12 @@ class ConvRule(Rule):
       ``K[(c, c'), i, t] = W[c, i, t] · W[c', i, t]`` (pairs within a group; for transposed
       convolutions the pairs run over the weight's dim 1).
 
+    Forward (linearised variance; ``v`` the input variance, ``σ²_W``, ``σ²_b`` the parameter
+    variances; ``conv(·; K)`` the layer's own forward op with kernel ``K`` and no bias):
+
+    - ``v_out = conv(v; W ∘ W) + conv(x ∘ x; σ²_W) + σ²_b``, the bias term broadcast over batch
+      and space; shape ``[N, C_out, *spatial_out]``.
+
     All are exact, because each Jacobian entry is a single weight (input rule) or a single input
     value (weight rule). Stride, dilation, groups, ``output_padding`` (taken from the actual output
     shape, so ``forward(x, output_size=...)`` works), integer, tuple, ``'valid'`` and ``'same'``
@@ -193,11 +214,14 @@ class ConvRule(Rule):
     its own structural layer followed by an unpadded convolution, as in the module's ``forward``
     (``F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)``). The
     convolution's rule is applied to the padded input, and the diagonal is mapped back through the
-    padding by its ordinary VJP, which is the padding's exact DB step (its Jacobian is 0/1).
+    padding by its ordinary VJP, which is the padding's exact DB step (its Jacobian is 0/1);
+    forward, ``v`` is padded with the same ``F.pad`` (the padding's exact forward step) before
+    the squared convolution.
     Because DB takes the diagonal in between, the border entries of ``m_in`` differ from
     ``(J_x ∘ J_x)^T m`` for the Jacobian of the whole module: an input pixel that appears at two
-    padded positions gets ``Σ_p (J_p ∘ J_p)^T m`` instead of ``((Σ_p J_p) ∘ (Σ_p J_p))^T m``. The
-    parameter diagonals are exact for the whole module.
+    padded positions gets ``Σ_p (J_p ∘ J_p)^T m`` instead of ``((Σ_p J_p) ∘ (Σ_p J_p))^T m`` (and
+    forward, the covariance of two copies of an input pixel under one kernel is dropped). The
+    parameter diagonals and the parameters' forward variance are exact for the whole module.
     """
 
     def backward(
@@ -251,6 +275,60 @@ class ConvRule(Rule):
             if has_bias:
                 diags["bias"] = grad_b
         return m_in, diags
+
+    def forward_rule(
+        self,
+        module: _ConvNd,
+        x: Tensor,
+        y: Tensor,
+        v_in: Tensor | None,
+        param_var: Mapping[str, Tensor],
+    ) -> Tensor:
+        """``v_out = conv(v_in; W ∘ W) + conv(x ∘ x; σ²_W) + σ²_b``; see the class docstring.
+
+        Args:
+            module: The convolution.
+            x: Its input ``[N, C_in, *spatial]`` (or ``[C_in, *spatial]``).
+            y: Its output ``[N, C_out, *spatial_out]``; only its shape is used.
+            v_in: Variance of ``x``, shaped like ``x``, or ``None`` (zero).
+            param_var: ``{"weight": σ²_W, "bias": σ²_b}``, each shaped like its parameter;
+                missing entries are zero.
+
+        Returns:
+            ``v_out``, shaped like ``y``.
+
+        Raises:
+            ValueError: If the shapes of ``x`` and ``y`` do not fit the module.
+        """
+        geo = _geometry(module, x, y)
+        var_w, var_b = param_var.get("weight"), param_var.get("bias")
+
+        def conv(inp: Tensor, kernel: Tensor) -> Tensor:
+            return torch.convolution(
+                inp,
+                kernel,
+                None,
+                list(module.stride),
+                geo.padding,
+                list(module.dilation),
+                module.transposed,
+                geo.output_padding,
+                module.groups,
+            )
+
+        W = module.weight.detach()
+        x_in = geo.x.detach()
+        y_b = geo.batch(y)
+        bias_shape = (1, -1) + (1,) * (y_b.dim() - 2)
+        v_out = _total(
+            y_b,
+            [
+                None if v_in is None else conv(geo.from_input(v_in), W * W),
+                None if var_w is None else conv(x_in * x_in, var_w),
+                None if var_b is None or module.bias is None else var_b.reshape(bias_shape),
+            ],
+        )
+        return geo.unbatch(v_out)
 
     def input_rule(self, module: _ConvNd, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
         """``m_in = ∂_x conv(m_out; W ∘ W)``, shaped like ``x``; see the class docstring."""

@@ -1,8 +1,12 @@
-"""Rules for elementwise activations ``y = φ(x)``: ``m_in = φ'(x)² · m_out`` (exact)."""
+"""Rules for elementwise activations ``y = φ(x)``: ``m_in = φ'(x)² · m_out`` (exact).
+
+Forward (linearised variance): ``v_out = φ'(x)² · v_in``, exact for the layer.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +23,7 @@ __all__ = [
     "SigmoidRule",
     "SoftplusRule",
     "TanhRule",
+    "scale_forward_rule",
     "scale_rule",
 ]
 
@@ -26,7 +31,8 @@ __all__ = [
 class ElementwiseRule(Rule):
     """Exact rule for an elementwise map: ``m_in = φ'(x)² · m_out``, all shapes ``[N, *]``.
 
-    The Jacobian is diagonal, so no approximation is involved. Subclasses give ``φ'``.
+    Forward: ``v_out = φ'(x)² · v_in`` (zero for ``v_in = None``). The Jacobian is diagonal, so
+    neither direction involves an approximation. Subclasses give ``φ'``.
     """
 
     def derivative(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
@@ -36,6 +42,19 @@ class ElementwiseRule(Rule):
     def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
         d = self.derivative(module, x, y)
         return d * d * m_out
+
+    def forward_rule(
+        self,
+        module: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        v_in: Tensor | None,
+        param_var: Mapping[str, Tensor],
+    ) -> Tensor:
+        if v_in is None:
+            return torch.zeros(y.shape, dtype=y.dtype, device=y.device)
+        # φ'(x)² is symmetric (diagonal): the backward formula applied to v is the forward step.
+        return self.input_rule(module, x.detach(), y.detach(), v_in)
 
 
 class TanhRule(ElementwiseRule):
@@ -129,3 +148,22 @@ def scale_rule(m_out: Tensor, c: Tensor | float, input_shape: torch.Size) -> Ten
     """
     c2 = c * c if isinstance(c, (int, float)) else c.square()
     return (m_out * c2).sum_to_size(input_shape)
+
+
+def scale_forward_rule(v_in: Tensor, c: Tensor | float, output_shape: torch.Size) -> Tensor:
+    """Forward counterpart of :func:`scale_rule` for ``y = c · x``: exact.
+
+    ``J = diag(c)`` (with copies where ``x`` is broadcast), so ``v_out = c² · v_in``, broadcast
+    to the output's shape; the sign of a negation or subtraction disappears when squared.
+
+    Args:
+        v_in: Variance of ``x``, shape of ``x``.
+        c: The constant, a number or a tensor broadcastable with ``x``.
+        output_shape: Shape of ``y`` (the broadcast of ``x`` and ``c``).
+
+    Returns:
+        ``v_out``, shaped ``output_shape``.
+    """
+    c2 = c * c if isinstance(c, (int, float)) else c.square()
+    v_out = v_in * c2
+    return v_out if v_out.shape == output_shape else v_out.expand(output_shape).contiguous()

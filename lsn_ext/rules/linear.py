@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
-from lsn_ext.rules.base import Rule
+from lsn_ext.rules.base import Rule, _total
 
 __all__ = ["LinearRule"]
 
@@ -18,6 +20,10 @@ class LinearRule(Rule):
     - input: ``m_in = m (W ∘ W)``, shape ``[*, in_features]``;
     - weight: ``Σ_* m^T (x ∘ x)``, shape ``[out_features, in_features]``;
     - bias: ``Σ_* m``, shape ``[out_features]``.
+
+    Forward (linearised variance, exact for the layer): with ``v`` the input variance
+    ``[*, in_features]`` and ``σ²_W``, ``σ²_b`` the parameter variances,
+    ``v_out = v (W ∘ W)^T + (x ∘ x) σ²_W^T + σ²_b``, shape ``[*, out_features]``.
 
     The block rule (for ``[N, K]`` logits, classes on the last dim) is
     ``m_in[n, i] = Σ_{c,c'} H[n, c, c'] W[c, i] W[c', i]``.
@@ -37,11 +43,31 @@ class LinearRule(Rule):
             diags["bias"] = m2.sum(0)
         return diags
 
+    def forward_rule(
+        self,
+        module: nn.Linear,
+        x: Tensor,
+        y: Tensor,
+        v_in: Tensor | None,
+        param_var: Mapping[str, Tensor],
+    ) -> Tensor:
+        W = module.weight.detach()
+        x = x.detach()
+        var_w, var_b = param_var.get("weight"), param_var.get("bias")
+        return _total(
+            y,
+            [
+                None if v_in is None else v_in @ (W * W).T,
+                None if var_w is None else (x * x) @ var_w.T,
+                None if var_b is None or module.bias is None else var_b,
+            ],
+        )
+
     def input_rule_block(self, module: nn.Linear, x: Tensor, y: Tensor, h_block: Tensor) -> Tensor:
         if y.dim() != 2:
             raise ValueError(
                 "the block rule of Linear needs 2-D logits [N, K]; got output shape "
                 f"{tuple(y.shape)}"
             )
-        W = module.weight
+        W = module.weight.detach()
         return torch.einsum("ncd,ci,di->ni", h_block, W, W)

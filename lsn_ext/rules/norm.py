@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor, nn
 
-from lsn_ext.rules.base import Rule
+from lsn_ext.rules.base import Rule, _total
 
 __all__ = ["BatchNormRule"]
 
@@ -20,7 +22,9 @@ class BatchNormRule(Rule):
 
     - input: ``m_in = s² · m``;
     - weight ``γ``: ``Σ_{N,*} m · x̂²``, shape ``[C]``;
-    - bias ``β``: ``Σ_{N,*} m``, shape ``[C]``.
+    - bias ``β``: ``Σ_{N,*} m``, shape ``[C]``;
+    - forward (linearised variance, exact): ``v_out = s² · v_in + x̂² · σ²_γ + σ²_β``, shape of
+      ``x`` (``σ²_γ``, ``σ²_β`` broadcast over dim 1).
 
     In training mode the statistics depend on the whole batch and the Jacobian couples samples;
     the rule refuses it (call ``model.eval()``).
@@ -54,3 +58,28 @@ class BatchNormRule(Rule):
         dims = [0, *range(2, x.dim())]
         x_hat = (x - mean) * inv_std
         return {"weight": (m_out * x_hat.square()).sum(dims), "bias": m_out.sum(dims)}
+
+    def forward_rule(
+        self,
+        module: _BatchNorm,
+        x: Tensor,
+        y: Tensor,
+        v_in: Tensor | None,
+        param_var: Mapping[str, Tensor],
+    ) -> Tensor:
+        mean, inv_std = self._stats(module, x)
+        x = x.detach()
+        var_w, var_b = param_var.get("weight"), param_var.get("bias")
+        shape = inv_std.shape
+        terms: list[Tensor | None] = [None, None, None]
+        if v_in is not None:
+            scale = inv_std
+            if module.weight is not None:
+                scale = module.weight.detach().reshape(shape) * inv_std
+            terms[0] = scale.square() * v_in
+        if module.weight is not None:
+            if var_w is not None:
+                terms[1] = ((x - mean) * inv_std).square() * var_w.reshape(shape)
+            if var_b is not None:
+                terms[2] = var_b.reshape(shape)
+        return _total(y, terms)

@@ -5,6 +5,8 @@ Max pooling has a 0/1 Jacobian and uses :class:`~lsn_ext.rules.structural.Struct
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -63,12 +65,16 @@ class AvgPoolRule(Rule):
     0. ``J^T`` is the pooling's own backward pass (a VJP), which also sums ``m`` over
     overlapping windows.
 
-    Shapes: ``x`` and ``m_in`` are ``[N, C, *spatial]`` (or unbatched ``[C, *spatial]``),
-    ``y`` and ``m_out`` ``[N, C, *spatial_out]``, with 1 to 3 spatial dimensions.
+    Forward (linearised variance, exact): ``(J ∘ J) v = diag(1/n) J v``, i.e.
+    ``v_out = avgpool(v_in) / n`` — the pooling itself, its weights ``1/n_w`` squared.
+
+    Shapes: ``x``, ``m_in`` and ``v_in`` are ``[N, C, *spatial]`` (or unbatched ``[C, *spatial]``),
+    ``y``, ``m_out`` and ``v_out`` ``[N, C, *spatial_out]``, with 1 to 3 spatial dimensions.
     """
 
-    def input_rule(self, module: _AvgPool, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
-        """Return ``m_in = J^T (m_out / n)``, shaped like ``x`` (see the class docstring).
+    @staticmethod
+    def _inverse_divisor(module: _AvgPool, x: Tensor, dtype: torch.dtype) -> Tensor:
+        """``1/n_w`` per window (0 for windows without real inputs), broadcastable to ``y``.
 
         Raises:
             TypeError: If ``module`` is not an ``nn.AvgPool1d/2d/3d``.
@@ -83,13 +89,40 @@ class AvgPoolRule(Rule):
         )
         # The weights depend on the spatial shape only; broadcast them over batch and channels.
         shape = (1,) * (x.dim() - ndim) + tuple(x.shape[-ndim:])
-        ones = torch.ones(shape, dtype=m_out.dtype, device=m_out.device)
+        ones = torch.ones(shape, dtype=dtype, device=x.device)
         with torch.no_grad():
             mean_of_ones = _avg_pool(module, ones, divisor)  # s_w / n_w
             count = _avg_pool(module, ones, 1)  # s_w
-        inv_n = torch.where(count > 0, mean_of_ones / count.clamp(min=1), 0.0)
+        return torch.where(count > 0, mean_of_ones / count.clamp(min=1), 0.0)
+
+    def input_rule(self, module: _AvgPool, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
+        """Return ``m_in = J^T (m_out / n)``, shaped like ``x`` (see the class docstring).
+
+        Raises:
+            TypeError: If ``module`` is not an ``nn.AvgPool1d/2d/3d``.
+        """
+        inv_n = self._inverse_divisor(module, x, m_out.dtype)
+        divisor = getattr(module, "divisor_override", None)
         with torch.enable_grad():
             xg = x.detach().requires_grad_(True)
             out = _avg_pool(module, xg, divisor)
             (m_in,) = torch.autograd.grad(out, xg, m_out * inv_n)
         return m_in
+
+    def forward_rule(
+        self,
+        module: _AvgPool,
+        x: Tensor,
+        y: Tensor,
+        v_in: Tensor | None,
+        param_var: Mapping[str, Tensor],
+    ) -> Tensor:
+        """Return ``v_out = avgpool(v_in) / n``, shaped like ``y`` (see the class docstring).
+
+        Raises:
+            TypeError: If ``module`` is not an ``nn.AvgPool1d/2d/3d``.
+        """
+        inv_n = self._inverse_divisor(module, x, y.dtype)
+        if v_in is None:
+            return torch.zeros(y.shape, dtype=y.dtype, device=y.device)
+        return _avg_pool(module, v_in, getattr(module, "divisor_override", None)) * inv_n

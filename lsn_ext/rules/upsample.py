@@ -3,12 +3,13 @@
 Covers ``nn.Upsample``, ``nn.UpsamplingNearest2d``, ``nn.UpsamplingBilinear2d`` and the functional
 form.
 
-The maths lives in :func:`interpolate_rule`; the module rule only reads the module's settings.
+The maths lives in :func:`interpolate_rule` (backward) and :func:`interpolate_forward_rule` (the
+forward counterpart: linearised variance); the module rule only reads the module's settings.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,7 @@ from torch import Tensor, nn
 
 from lsn_ext.rules.base import Rule
 
-__all__ = ["UpsampleRule", "interpolate_rule", "interpolation_matrix"]
+__all__ = ["UpsampleRule", "interpolate_forward_rule", "interpolate_rule", "interpolation_matrix"]
 
 _NEAREST_MODES = ("nearest", "nearest-exact")
 
@@ -157,9 +158,80 @@ def interpolate_rule(
             xg = x.detach().to(m_out.dtype).requires_grad_(True)
             (m_in,) = torch.autograd.grad(F.interpolate(xg, **kwargs), xg, m_out)
         return m_in
+    return _squared_separable(m_out, x, y, kwargs, forward=False)
 
-    m = m_out
-    ref = x.detach().to(m_out.dtype)
+
+def interpolate_forward_rule(
+    x: Tensor,
+    y: Tensor,
+    v_in: Tensor | None,
+    *,
+    size: int | Sequence[int] | None = None,
+    scale_factor: float | Sequence[float] | None = None,
+    mode: str = "nearest",
+    align_corners: bool | None = None,
+    recompute_scale_factor: bool | None = None,
+    antialias: bool = False,
+) -> Tensor:
+    r"""Exact forward step ``v_out = (J ∘ J) v_in`` for ``y = F.interpolate(x, ...)``.
+
+    The forward counterpart of :func:`interpolate_rule` (linearised variance):
+
+    - ``'nearest'`` and ``'nearest-exact'``: ``J`` is 0/1 and linear, so
+      ``v_out = J v_in = F.interpolate(v_in, ...)``.
+    - interpolating modes: with the per-axis matrices ``A_d`` of :func:`interpolation_matrix`,
+
+      .. math::
+
+          v_{out}[n, c, o_1, …, o_D] = \sum_{i_1, …, i_D} A_1[o_1, i_1]^2 \cdots
+          A_D[o_D, i_D]^2 \, v_{in}[n, c, i_1, …, i_D].
+
+    Args:
+        x: The input ``[N, C, *spatial]`` (1 to 3 spatial dims); only its shape is used.
+        y: The output ``[N, C, *spatial_out]``.
+        v_in: Variance of ``x``, shaped like ``x``; ``None`` means zero.
+        size: ``size`` as given to :func:`torch.nn.functional.interpolate`.
+        scale_factor: ``scale_factor`` as given to ``interpolate``.
+        mode: ``mode`` as given to ``interpolate``.
+        align_corners: ``align_corners`` as given to ``interpolate``.
+        recompute_scale_factor: ``recompute_scale_factor`` as given to ``interpolate``.
+        antialias: ``antialias`` as given to ``interpolate``.
+
+    Returns:
+        ``v_out`` shaped like ``y``, in the dtype of ``v_in`` (of ``y`` for ``v_in = None``).
+
+    Raises:
+        ValueError: If ``v_in`` is not shaped like ``x`` or the arguments do not reproduce
+            ``y``'s spatial shape from ``x``.
+    """
+    if v_in is None:
+        return torch.zeros(y.shape, dtype=y.dtype, device=y.device)
+    if v_in.shape != x.shape:
+        raise ValueError(
+            f"interpolate_forward_rule: v_in has shape {tuple(v_in.shape)}, the input "
+            f"{tuple(x.shape)}"
+        )
+    kwargs = {
+        "size": size,
+        "scale_factor": scale_factor,
+        "mode": mode,
+        "align_corners": align_corners,
+        "recompute_scale_factor": recompute_scale_factor,
+        "antialias": antialias,
+    }
+    if mode in _NEAREST_MODES:
+        return F.interpolate(v_in, **kwargs)
+    return _squared_separable(v_in, x, y, kwargs, forward=True)
+
+
+def _squared_separable(m: Tensor, x: Tensor, y: Tensor, kwargs: dict, *, forward: bool) -> Tensor:
+    """Apply ``(A_1 ∘ A_1) ⊗ … ⊗ (A_D ∘ A_D)`` to ``m``, or its transpose (``forward=False``).
+
+    ``m`` lives on the output side (``[N, C, *spatial_out]``) when ``forward`` is false and on the
+    input side when it is true; each axis is one matrix product with the squared interpolation
+    matrix (channels and samples are never mixed).
+    """
+    ref = x.detach().to(m.dtype)
     for axis in range(x.dim() - 2):
         A = interpolation_matrix(ref, axis, **kwargs)
         if A.shape != (y.shape[2 + axis], x.shape[2 + axis]):
@@ -168,7 +240,8 @@ def interpolate_rule(
                 f"{x.shape[2 + axis]} to {A.shape[0]}, but the output has {y.shape[2 + axis]}"
             )
         dim = 2 + axis
-        m = (m.movedim(dim, -1) @ A.square()).movedim(-1, dim)
+        A2 = A.square()
+        m = (m.movedim(dim, -1) @ (A2.T if forward else A2)).movedim(-1, dim)
     return m
 
 
@@ -179,7 +252,8 @@ class UpsampleRule(Rule):
     ``align_corners`` and ``recompute_scale_factor``; see there for the formula. Shapes: ``x``
     and ``m_in`` are ``[N, C, *spatial]``, ``y`` and ``m_out`` ``[N, C, *spatial_out]``, with 1 to
     3 spatial dimensions as the mode allows. Nearest modes have a 0/1 Jacobian, but the class is
-    not marked ``autograd_exact`` because the interpolating modes are not.
+    not marked ``autograd_exact`` because the interpolating modes are not. Forward:
+    :func:`interpolate_forward_rule`, ``v_out = (J ∘ J) v_in`` (exact).
     """
 
     def is_autograd_exact(self, module: nn.Upsample) -> bool:
@@ -192,6 +266,26 @@ class UpsampleRule(Rule):
             x,
             y,
             m_out,
+            size=module.size,
+            scale_factor=module.scale_factor,
+            mode=module.mode,
+            align_corners=module.align_corners,
+            recompute_scale_factor=module.recompute_scale_factor,
+        )
+
+    def forward_rule(
+        self,
+        module: nn.Upsample,
+        x: Tensor,
+        y: Tensor,
+        v_in: Tensor | None,
+        param_var: Mapping[str, Tensor],
+    ) -> Tensor:
+        """Return ``v_out = (J ∘ J) v_in``, shaped like ``y`` (:func:`interpolate_forward_rule`)."""
+        return interpolate_forward_rule(
+            x,
+            y,
+            v_in,
             size=module.size,
             scale_factor=module.scale_factor,
             mode=module.mode,
