@@ -7,8 +7,9 @@ shared by adapters for laplace-torch, BackPACK and StochMan, and Laplacian Segme
 import importlib
 from types import ModuleType
 
-from lsn_ext import rules
+from lsn_ext import rules, stochman_ext
 from lsn_ext.engine import DiagBackpropResult, diag_backprop
+from lsn_ext.forward import linearized_variance
 from lsn_ext.laplace_ext import (
     DiagBackprop,
     SegmentationPrediction,
@@ -33,9 +34,11 @@ __all__ = [
     "diag_backprop",
     "get_rule",
     "gridsearch_prior_precision",
+    "linearized_variance",
     "predict",
     "register_rule",
     "rules",
+    "stochman_ext",
     "supported_modules",
 ]
 
