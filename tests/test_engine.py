@@ -335,7 +335,8 @@ ERRORS = {
     "layernorm-module": (
         lambda: nn.Sequential(nn.Conv2d(2, 1, 1), nn.LayerNorm([1, 4, 4])),
         NotImplementedError,
-        r"no rule for torch.nn.LayerNorm at '1'.*Supported modules: Linear, Conv1d",
+        r"no rule for torch.nn.LayerNorm at '1'.*"
+        r"Supported modules: torch.nn.Linear, torch.nn.Conv1d",
     ),
     "subclass-hint": (
         lambda: nn.Sequential(MyConv(2, 1, 1)),

@@ -166,5 +166,5 @@ def get_rule(module: nn.Module, path: str = "") -> Rule:
             hint = " Write a lsn_ext.rules.Rule for it and call lsn_ext.register_rule."
         raise NotImplementedError(
             f"Diagonal backprop has no rule for {_name(cls)}{where}.{hint} "
-            f"Supported modules: {', '.join(c.__qualname__ for c in RULES)}."
+            f"Supported modules: {', '.join(_name(c) for c in RULES)}."
         ) from None

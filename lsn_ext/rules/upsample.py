@@ -10,6 +10,7 @@ forward counterpart: linearised variance); the module rule only reads the module
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +96,25 @@ def interpolation_matrix(
     return out[(slice(None), 0, *index)].T
 
 
+def _interpolate_kwargs(
+    size: int | Sequence[int] | None,
+    scale_factor: float | Sequence[float] | None,
+    mode: str,
+    align_corners: bool | None,
+    recompute_scale_factor: bool | None,
+    antialias: bool,
+) -> dict[str, Any]:
+    """The keyword arguments of :func:`torch.nn.functional.interpolate`, as one dict."""
+    return {
+        "size": size,
+        "scale_factor": scale_factor,
+        "mode": mode,
+        "align_corners": align_corners,
+        "recompute_scale_factor": recompute_scale_factor,
+        "antialias": antialias,
+    }
+
+
 def interpolate_rule(
     x: Tensor,
     y: Tensor,
@@ -145,14 +165,9 @@ def interpolate_rule(
         raise ValueError(
             f"interpolate_rule: m_out has shape {tuple(m_out.shape)}, the output {tuple(y.shape)}"
         )
-    kwargs = {
-        "size": size,
-        "scale_factor": scale_factor,
-        "mode": mode,
-        "align_corners": align_corners,
-        "recompute_scale_factor": recompute_scale_factor,
-        "antialias": antialias,
-    }
+    kwargs = _interpolate_kwargs(
+        size, scale_factor, mode, align_corners, recompute_scale_factor, antialias
+    )
     if mode in _NEAREST_MODES:
         with torch.enable_grad():
             xg = x.detach().to(m_out.dtype).requires_grad_(True)
@@ -211,14 +226,9 @@ def interpolate_forward_rule(
             f"interpolate_forward_rule: v_in has shape {tuple(v_in.shape)}, the input "
             f"{tuple(x.shape)}"
         )
-    kwargs = {
-        "size": size,
-        "scale_factor": scale_factor,
-        "mode": mode,
-        "align_corners": align_corners,
-        "recompute_scale_factor": recompute_scale_factor,
-        "antialias": antialias,
-    }
+    kwargs = _interpolate_kwargs(
+        size, scale_factor, mode, align_corners, recompute_scale_factor, antialias
+    )
     if mode in _NEAREST_MODES:
         return F.interpolate(v_in, **kwargs)
     return _squared_separable(v_in, x, y, kwargs, forward=True)
