@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+from laplace.baselaplace import BaseLaplace
 from laplace.curvature import GGNInterface
 from torch import Tensor, nn
 from torch.func import functional_call
@@ -172,7 +173,14 @@ class SegmentationPrediction:
     n_samples: int
 
 
+_LINKS = ("softmax", "sigmoid", "identity")
+
+
 def _link(la: Any) -> str:
+    if not isinstance(la, BaseLaplace):
+        if getattr(la, "link", None) not in _LINKS:
+            raise ValueError(f"the posterior's link must be one of {_LINKS}")
+        return la.link
     backend = la.backend
     loss = backend.loss_fn if isinstance(backend, DiagBackprop) else None
     if la.likelihood == "regression":
@@ -196,16 +204,18 @@ def _entropy(p: Tensor, link: str) -> Tensor:
 def _trainable(la: Any) -> list[tuple[str, Tensor]]:
     named = [(n, p) for n, p in la.model.named_parameters() if p.requires_grad]
     if sum(p.numel() for _, p in named) != la.n_params:
-        raise ValueError(
-            "the model's trainable parameters changed since the Laplace object was created"
-        )
+        raise ValueError("the model's trainable parameters changed since the posterior was created")
     return named
 
 
 def _check_fitted(la: Any) -> None:
-    if not hasattr(la, "sample") or not hasattr(la, "model"):
-        raise TypeError(f"expected a fitted laplace-torch Laplace object, got {type(la).__name__}")
-    if getattr(la, "H", None) is None or getattr(la, "n_data", 0) == 0:
+    if not all(hasattr(la, a) for a in ("sample", "model", "n_params")):
+        raise TypeError(
+            "expected a fitted laplace-torch Laplace object or a posterior with model, "
+            f"n_params, sample(n, generator=) and link; got {type(la).__name__}"
+        )
+    fitted = getattr(la, "H", None) is not None and getattr(la, "n_data", 0) > 0
+    if isinstance(la, BaseLaplace) and not fitted:
         raise ValueError("the Laplace object is not fitted yet: call la.fit(train_loader) first")
 
 
@@ -226,7 +236,10 @@ def predict(
 
     Args:
         la: A fitted laplace-torch ``Laplace`` object (any backend; :class:`DiagBackprop` tells
-            binary from multi-class by its loss).
+            binary from multi-class by its loss), or any other posterior over the model's
+            trainable parameters (in ``parameters()`` order) with attributes ``model``,
+            ``n_params``, ``link`` (``"softmax"``, ``"sigmoid"`` or ``"identity"``) and a
+            method ``sample(n, generator=None) -> [n, n_params]`` (e.g. :mod:`lsn_ext.vi`).
         x: Images ``[N, C_in, *spatial]``.
         n_samples: Posterior samples (the LSN paper uses 50).
         generator: Random generator for reproducible samples.

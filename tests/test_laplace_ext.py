@@ -262,5 +262,24 @@ def test_predict_needs_a_fitted_laplace():
     la = make_laplace(UNet(3, 1, widths=(2, 3, 4)), loss="bce")
     with pytest.raises(ValueError, match="not fitted"):
         predict(la, torch.randn(1, 3, 16, 16))
-    with pytest.raises(TypeError, match="laplace-torch Laplace"):
+    with pytest.raises(TypeError, match="laplace-torch Laplace object or a posterior"):
         predict(object(), torch.randn(1, 3, 16, 16))
+
+
+def test_predict_accepts_any_posterior_with_the_protocol():
+    net = nn.Linear(3, 1)
+
+    class PointMass:
+        model, n_params, link = net, 4, "identity"
+
+        def sample(self, n, generator=None):
+            theta = torch.cat([net.weight.detach().flatten(), net.bias.detach()])
+            return theta.expand(n, -1)
+
+    x = torch.randn(5, 3)
+    pred = predict(PointMass(), x, n_samples=3)
+    torch.testing.assert_close(pred.mean, net(x).detach())
+    assert pred.variance.abs().max() == 0
+    PointMass.link = "logistic"
+    with pytest.raises(ValueError, match="link must be one of"):
+        predict(PointMass(), x, n_samples=3)
