@@ -8,6 +8,14 @@ import importlib
 from types import ModuleType
 
 from lsn_ext import rules, stochman_ext
+from lsn_ext.bridge import (
+    BridgeDirichlet,
+    LaplaceBridge,
+    TopK,
+    bridge_predictive,
+    dirichlet_to_gaussian,
+    laplace_bridge,
+)
 from lsn_ext.engine import DiagBackpropResult, diag_backprop
 from lsn_ext.forward import linearized_variance
 from lsn_ext.laplace_ext import (
@@ -24,16 +32,22 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "MSE",
     "BCEWithLogits",
+    "BridgeDirichlet",
     "CrossEntropy",
     "DiagBackprop",
     "DiagBackpropResult",
+    "LaplaceBridge",
     "Loss",
     "SegmentationPrediction",
+    "TopK",
     "__version__",
     "backpack_ext",
+    "bridge_predictive",
     "diag_backprop",
+    "dirichlet_to_gaussian",
     "get_rule",
     "gridsearch_prior_precision",
+    "laplace_bridge",
     "linearized_variance",
     "predict",
     "register_rule",
