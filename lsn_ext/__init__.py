@@ -7,7 +7,7 @@ shared by adapters for laplace-torch, BackPACK and StochMan, and Laplacian Segme
 import importlib
 from types import ModuleType
 
-from lsn_ext import rules, stochman_ext
+from lsn_ext import rules, stochman_ext, vi
 from lsn_ext.bridge import (
     BridgeDirichlet,
     LaplaceBridge,
@@ -26,6 +26,7 @@ from lsn_ext.laplace_ext import (
 )
 from lsn_ext.rules import get_rule, register_rule, supported_modules
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss
+from lsn_ext.vi import GaussianMixture, StructuredGaussian, VariationalPosterior
 
 __version__ = "0.1.0.dev0"
 
@@ -36,10 +37,13 @@ __all__ = [
     "CrossEntropy",
     "DiagBackprop",
     "DiagBackpropResult",
+    "GaussianMixture",
     "LaplaceBridge",
     "Loss",
     "SegmentationPrediction",
+    "StructuredGaussian",
     "TopK",
+    "VariationalPosterior",
     "__version__",
     "backpack_ext",
     "bridge_predictive",
@@ -54,6 +58,7 @@ __all__ = [
     "rules",
     "stochman_ext",
     "supported_modules",
+    "vi",
 ]
 
 _ADAPTERS = ("backpack_ext",)
