@@ -1,4 +1,4 @@
-"""Data for tests, demos and benchmarks, made on the spot (nothing is downloaded)."""
+"""Synthetic lesion images for tests (made on the spot, nothing is downloaded)."""
 
 from __future__ import annotations
 

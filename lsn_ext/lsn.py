@@ -1,0 +1,326 @@
+"""Laplacian Segmentation Networks (Zepf et al. 2024): a Laplace posterior on an SSN's mean network.
+
+The SSN (:class:`lsn_ext.models.SSN`) models aleatoric uncertainty with a low-rank Gaussian over
+the logits. The LSN adds epistemic uncertainty with a diagonal Laplace approximation over the
+**backbone and the mean head only**; the variance heads stay at ``θ_MAP`` (LSN Eq. 12). At zero
+logit variance the SSN loss is the (binary) cross-entropy of the mean network, so the curvature
+is the GGN of that loss, computed here by diagonal backpropagation
+(:class:`lsn_ext.DiagBackprop`).
+
+Binary segmentation uses one logit channel with a sigmoid and the Bernoulli likelihood (the
+``σ(η)`` of LSN Eq. 16–17); its curvature is that of :class:`lsn_ext.BCEWithLogits` with the same
+``pos_weight`` as the SSN loss (1 by default: the paper finds that SSNs need no class
+re-weighting, its Table 1). ``K ≥ 2`` classes use a softmax and cross-entropy.
+
+Shape legend: ``N`` batch, ``K`` logit channels, ``H``/``W`` height and width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from laplace import Laplace
+from laplace.baselaplace import BaseLaplace
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.data import DataLoader
+
+from lsn_ext.laplace_ext import DiagBackprop, SegmentationPrediction, _entropy, predict
+from lsn_ext.models.ssn import SSN, SSNOutput
+from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy
+
+__all__ = [
+    "LSNPrediction",
+    "MeanNetwork",
+    "aleatoric_maps",
+    "ensemble_predict",
+    "fit_lsn",
+    "mc_dropout_predict",
+    "predict_lsn",
+]
+
+
+class MeanNetwork(nn.Module):
+    """The mean network ``x ↦ μ(x)`` of an SSN, as a view that shares its modules.
+
+    Its submodules are the SSN's own ``backbone`` and ``mean_head`` objects (no copies), so its
+    parameters are exactly ``θ_mean`` of LSN Eq. 12, under the same names as in the SSN
+    (``backbone.…``, ``mean_head.…``). Pass it to ``laplace.Laplace``; the SSN is not modified.
+
+    Args:
+        ssn: The trained SSN.
+    """
+
+    def __init__(self, ssn: SSN):
+        super().__init__()
+        if not isinstance(ssn, SSN):
+            raise TypeError(f"MeanNetwork takes an lsn_ext.models.SSN, got {type(ssn).__name__}")
+        self.backbone = ssn.backbone
+        self.mean_head = ssn.mean_head
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``μ(x)``, ``[N, K, H, W]``."""
+        return self.mean_head(self.backbone(x))
+
+
+def fit_lsn(
+    ssn: SSN,
+    train_loader: DataLoader,
+    *,
+    pos_weight: float = 1.0,
+    prior_precision: float = 1.0,
+    progress_bar: bool = False,
+) -> BaseLaplace:
+    """Fit the LSN posterior: a diagonal Laplace approximation over backbone + mean head.
+
+    ``Laplace(MeanNetwork(ssn), "classification", subset_of_weights="all",
+    hessian_structure="diag", backend=DiagBackprop)`` with the BCE (``K = 1``) or cross-entropy
+    loss, fitted on ``train_loader``. ``la.n_params`` equals the number of parameters of
+    ``ssn.backbone`` and ``ssn.mean_head``. Tune the prior precision afterwards, e.g. with
+    :func:`lsn_ext.gridsearch_prior_precision` or ``la.optimize_prior_precision``.
+
+    Args:
+        ssn: A trained SSN (left unchanged).
+        train_loader: A ``DataLoader`` of ``(x, y)`` (laplace-torch reads its dataset's
+            size): masks ``[N, 1, H, W]`` for ``K = 1``, class indices
+            ``[N, H, W]`` otherwise.
+        pos_weight: Foreground weight of the binary loss (as used to train the SSN).
+        prior_precision: Initial prior precision.
+        progress_bar: Show laplace-torch's progress bar.
+
+    Returns:
+        The fitted laplace-torch object; ``la.model`` is the :class:`MeanNetwork`.
+    """
+    loss = BCEWithLogits(pos_weight=pos_weight) if ssn.num_classes == 1 else CrossEntropy()
+    la = Laplace(
+        MeanNetwork(ssn),
+        "classification",
+        subset_of_weights="all",
+        hessian_structure="diag",
+        backend=DiagBackprop,
+        backend_kwargs={"loss": loss},
+        prior_precision=prior_precision,
+    )
+    la.fit(train_loader, progress_bar=progress_bar)
+    return la
+
+
+def _probabilities(logits: Tensor, dim: int = 1) -> Tensor:
+    if logits.shape[dim] == 1:
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim)
+
+
+class _Welford:
+    """Running mean and variance of a stream of tensors (over the stream axis)."""
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, None, None
+
+    def add(self, batch: Tensor) -> None:
+        """Add samples ``[S, …]``."""
+        for p in batch:
+            self.n += 1
+            if self.mean is None:
+                self.mean, self.m2 = torch.zeros_like(p), torch.zeros_like(p)
+            delta = p - self.mean
+            self.mean += delta / self.n
+            self.m2 += delta * (p - self.mean)
+
+    @property
+    def variance(self) -> Tensor:
+        return self.m2 / (self.n - 1)
+
+
+def _sample_prediction(logit_samples: Iterator[Tensor], n_samples: int) -> SegmentationPrediction:
+    """Mean, variance, entropy and mutual information of the probabilities of logit samples."""
+    if n_samples < 2:
+        raise ValueError(f"n_samples must be at least 2 to estimate a variance, got {n_samples}")
+    stats, expected_entropy = _Welford(), None
+    for i, f in enumerate(logit_samples):
+        p = _probabilities(f)
+        link = "sigmoid" if f.shape[1] == 1 else "softmax"
+        stats.add(p.unsqueeze(0))
+        h = _entropy(p, link)
+        expected_entropy = (
+            h if expected_entropy is None else expected_entropy + (h - expected_entropy) / (i + 1)
+        )
+    entropy = _entropy(stats.mean, link)
+    return SegmentationPrediction(
+        stats.mean,
+        stats.variance,
+        entropy,
+        (entropy - expected_entropy).clamp_min(0),
+        n_samples,
+    )
+
+
+@torch.no_grad()
+def mc_dropout_predict(model: nn.Module, x: Tensor, n_samples: int = 50) -> SegmentationPrediction:
+    """Monte Carlo dropout (Gal and Ghahramani 2016): ``n_samples`` passes with dropout active.
+
+    Only the dropout modules are switched to training mode (batch norm stays in eval mode);
+    the model's modes are restored afterwards. Randomness comes from torch's global generator.
+
+    Args:
+        model: A network with ``nn.Dropout*`` modules, logits ``[N, K, H, W]`` (``K = 1``:
+            sigmoid).
+        x: Images.
+        n_samples: Forward passes (the LSN paper: 50).
+
+    Raises:
+        ValueError: If the model has no dropout module.
+    """
+    dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    if not any(m.p > 0 for m in dropouts):
+        raise ValueError(f"{type(model).__name__} has no dropout module with p > 0")
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    for m in dropouts:
+        m.train()
+    try:
+        return _sample_prediction((model(x) for _ in range(n_samples)), n_samples)
+    finally:
+        for m, mode in modes.items():
+            m.train(mode)
+
+
+@torch.no_grad()
+def ensemble_predict(models: Iterable[nn.Module], x: Tensor) -> SegmentationPrediction:
+    """Deep ensemble (Lakshminarayanan et al. 2017): one prediction per member, in eval mode."""
+    models = list(models)
+    return _sample_prediction((m.eval()(x) for m in models), len(models))
+
+
+@torch.no_grad()
+def aleatoric_maps(
+    ssn: SSN, x: Tensor, n_samples: int = 20, *, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor]:
+    """Aleatoric maps: mean and variance of the probabilities over logit samples at ``θ_MAP``.
+
+    ``η^(m) ~ N(μ(x), diag(d(x)) + P(x) P(x)ᵀ)``, ``m = 1…M``; returns ``E σ(η)`` and
+    ``Var σ(η)`` per pixel (softmax over the classes for ``K ≥ 2``), each ``[N, K, H, W]``.
+    The SSN is evaluated in eval mode (dropout off); its mode is restored.
+    """
+    if n_samples < 2:
+        raise ValueError(f"n_samples must be at least 2 to estimate a variance, got {n_samples}")
+    mode = ssn.training
+    ssn.eval()
+    try:
+        eta = ssn.distribution(x).rsample(n_samples, antithetic=False, generator=generator)
+    finally:
+        ssn.train(mode)
+    stats = _Welford()
+    stats.add(_probabilities(eta, dim=2))
+    return stats.mean, stats.variance
+
+
+class _DistributionView(nn.Module):
+    """``forward`` = ``ssn.distribution`` as tensors, so that ``functional_call`` can run it."""
+
+    def __init__(self, ssn: SSN):
+        super().__init__()
+        self.ssn = ssn
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        out = self.ssn.distribution(x)
+        return out.mean, out.cov_diag, out.cov_factor
+
+
+@dataclass
+class LSNPrediction:
+    """Per-pixel maps of a Laplacian Segmentation Network (``[N, K, H, W]`` unless stated).
+
+    Attributes:
+        epistemic: Mean networks sampled from the posterior: ``E_θ σ(μ_θ)``, ``Var_θ σ(μ_θ)``
+            (the epistemic map), entropy and mutual information (:func:`lsn_ext.predict`).
+        aleatoric_mean: ``E_η σ(η)`` at ``θ_MAP``.
+        aleatoric: ``Var_η σ(η)`` at ``θ_MAP`` (the aleatoric map).
+        total_mean: ``E σ(η)`` with ``θ ~ q`` (backbone + mean head) and ``η ~ p(η | x, θ)``.
+        total: ``Var σ(η)`` over the same joint samples.
+        entropy: Predictive entropy of ``total_mean`` in nats, ``[N, H, W]``.
+    """
+
+    epistemic: SegmentationPrediction
+    aleatoric_mean: Tensor
+    aleatoric: Tensor
+    total_mean: Tensor
+    total: Tensor
+    entropy: Tensor
+
+
+@torch.no_grad()
+def predict_lsn(
+    la: BaseLaplace,
+    ssn: SSN,
+    x: Tensor,
+    n_epistemic: int = 50,
+    n_aleatoric: int = 20,
+    *,
+    seed: int = 0,
+) -> LSNPrediction:
+    """Epistemic, aleatoric and total predictive maps of an LSN (the paper: 50 and 20 samples).
+
+    The epistemic samples come from :func:`lsn_ext.predict` on ``la`` (parameters are passed with
+    ``functional_call``; neither model is modified). The total maps reuse the same posterior
+    draws (same seed): for each ``θ``, the SSN with the sampled backbone and mean head and the
+    MAP variance heads gives ``n_aleatoric`` logit samples.
+
+    Args:
+        la: The posterior from :func:`fit_lsn`.
+        ssn: The SSN whose mean network ``la`` was fitted on.
+        x: Images ``[N, C_in, H, W]``.
+        n_epistemic: Posterior samples of the mean network.
+        n_aleatoric: Logit samples per parameter sample.
+        seed: Seed of the samples.
+
+    Returns:
+        The maps (:class:`LSNPrediction`); the SSN is evaluated in eval mode, its mode restored.
+
+    Raises:
+        ValueError: If ``la`` was not fitted on ``MeanNetwork(ssn)``.
+    """
+    if not isinstance(la.model, MeanNetwork) or la.model.backbone is not ssn.backbone:
+        raise ValueError("la must be the posterior of MeanNetwork(ssn) for this ssn (fit_lsn)")
+    mode = ssn.training
+    ssn.eval()
+    try:
+        return _predict_lsn(la, ssn, x, n_epistemic, n_aleatoric, seed)
+    finally:
+        ssn.train(mode)
+
+
+def _predict_lsn(
+    la: BaseLaplace, ssn: SSN, x: Tensor, n_epistemic: int, n_aleatoric: int, seed: int
+) -> LSNPrediction:
+    def gen(offset: int) -> torch.Generator:
+        return torch.Generator(device=x.device).manual_seed(seed + offset)
+
+    epistemic = predict(la, x, n_epistemic, generator=gen(0))
+    aleatoric_mean, aleatoric = aleatoric_maps(ssn, x, n_aleatoric, generator=gen(1))
+    named = [(n, p) for n, p in la.model.named_parameters() if p.requires_grad]
+    thetas = la.sample(n_epistemic, generator=gen(0))
+    view = _DistributionView(ssn)
+    eta_gen = gen(2)
+    total = _Welford()
+    sizes = [p.numel() for _, p in named]
+    for theta in thetas:
+        params = {
+            f"ssn.{n}": t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)
+        }
+        mean, cov_diag, cov_factor = functional_call(view, params, (x,), strict=False)
+        eta = SSNOutput(mean, cov_diag, cov_factor).rsample(
+            n_aleatoric, antithetic=False, generator=eta_gen
+        )
+        total.add(_probabilities(eta, dim=2))
+    link = "sigmoid" if ssn.num_classes == 1 else "softmax"
+    return LSNPrediction(
+        epistemic,
+        aleatoric_mean,
+        aleatoric,
+        total.mean,
+        total.variance,
+        _entropy(total.mean, link),
+    )

@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from lsn_ext.metrics import (
+    auroc,
+    black_box,
+    box_ratio,
+    iou,
+    noise_box,
+    per_image_entropy,
+    pixel_ratio,
+    sample_boxes,
+)
+
+
+def test_pixel_ratio_by_hand():
+    var_id = torch.tensor([[[[1.0, 1.0], [1.0, 1.0]]], [[[0.5, 0.0], [0.0, 0.5]]]])
+    var_ood = torch.tensor([[[[2.0, 1.0], [1.0, 0.0]]], [[[1.0, 1.0], [1.0, 1.0]]]])
+    torch.testing.assert_close(pixel_ratio(var_id, var_ood), torch.tensor([1.0, 4.0]))
+    with pytest.raises(ValueError, match="differ in shape"):
+        pixel_ratio(var_id, var_ood[:, :, :1])
+
+
+def test_box_ratio_by_hand():
+    var = torch.tensor([[[1.0, 2.0], [3.0, 4.0]]])  # [N, H, W]
+    box = torch.tensor([[[True, False], [False, True]]])
+    torch.testing.assert_close(box_ratio(var, box), torch.tensor([0.5]))
+    # channels broadcast against a [N, 1, H, W] box
+    var2 = torch.stack([var, 3 * var], 1)  # [1, 2, 2, 2]
+    torch.testing.assert_close(box_ratio(var2, box.unsqueeze(1)), torch.tensor([0.5]))
+    even = torch.ones(1, 1, 8, 8)
+    b = torch.zeros(1, 1, 8, 8, dtype=torch.bool)
+    b[..., :2, :4] = True
+    torch.testing.assert_close(box_ratio(even, b), torch.tensor([8 / 64]))
+
+
+@pytest.mark.parametrize("size", [64, 32, 128], ids=["64px", "32px", "128px"])
+def test_boxes_follow_the_paper_scaled_to_the_image(size):
+    boxes, masks = sample_boxes(500, size, generator=torch.Generator().manual_seed(0))
+    top, left, side = boxes.T
+    s = size / 64
+    assert top.min() >= 0
+    assert top.max() == round(40 * s)
+    assert left.max() == round(40 * s)
+    assert side.min() == round(10 * s)
+    assert side.max() == round(20 * s)
+    torch.testing.assert_close(masks.flatten(1).sum(1), side**2)
+    i = 7
+    t, lft, sd = boxes[i].tolist()
+    assert masks[i, 0, t, lft]
+    assert masks[i, 0, t + sd - 1, lft + sd - 1]
+    if t + sd < size:
+        assert not masks[i, 0, t + sd, lft]
+
+
+def test_corruptions_change_only_the_box():
+    images = torch.randn(6, 2, 32, 32)
+    noisy, box = noise_box(images, generator=torch.Generator().manual_seed(1))
+    outside = ~box.expand_as(images)
+    torch.testing.assert_close(noisy[outside], images[outside])
+    assert not torch.allclose(noisy[~outside], images[~outside])
+    lo = images.flatten(1).amin(1).view(-1, 1, 1, 1).expand_as(images)
+    hi = images.flatten(1).amax(1).view(-1, 1, 1, 1).expand_as(images)
+    assert (noisy >= lo).all()
+    assert (noisy <= hi).all()
+
+    dark, box2 = black_box(images, -3.0, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(box2, box)  # same generator state -> same boxes
+    assert (dark[box.expand_as(images)] == -3.0).all()
+    torch.testing.assert_close(dark[outside], images[outside])
+    default, _ = black_box(images, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(default[box.expand_as(images)], lo[box.expand_as(images)])
+    with pytest.raises(ValueError, match="square"):
+        noise_box(torch.zeros(1, 1, 8, 16))
+
+
+def test_auroc_by_hand():
+    assert auroc(torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.4])) == 1.0
+    assert auroc(torch.tensor([0.3, 0.4]), torch.tensor([0.1, 0.2])) == 0.0
+    # pairs (ood > id): 0.5>0.1, 0.5>0.4, 0.2>0.1, 0.2<0.4 -> 3/4; a tie counts half
+    assert auroc(torch.tensor([0.1, 0.4]), torch.tensor([0.5, 0.2])) == 0.75
+    assert auroc(torch.tensor([0.1, 0.4]), torch.tensor([0.4, 0.2])) == pytest.approx(0.625)
+    with pytest.raises(ValueError, match="at least one"):
+        auroc(torch.tensor([]), torch.tensor([1.0]))
+
+
+def test_iou_and_entropy_by_hand():
+    p = torch.tensor([[1, 1, 0, 0]])
+    t = torch.tensor([[1, 0, 1, 0]])
+    assert iou(p, t) == pytest.approx(1 / 3)
+    assert iou(torch.zeros(3), torch.zeros(3)) == 1.0
+    entropy = torch.tensor([[[0.0, 1.0], [2.0, 3.0]], [[1.0, 1.0], [1.0, 1.0]]])
+    torch.testing.assert_close(per_image_entropy(entropy), torch.tensor([1.5, 1.0]))
