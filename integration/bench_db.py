@@ -25,7 +25,6 @@ import gc
 import json
 import math
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from _common import machine
 from torch import nn
 
 from lsn_ext.engine import diag_backprop
@@ -383,20 +383,6 @@ def part_b(sizes: list[int], mc_draws: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"Machine: {cpu}, {os.cpu_count()} logical CPUs; Python {platform.python_version()}, "
-        f"torch {torch.__version__}, torch threads {torch.get_num_threads()} (interop "
-        f"{torch.get_num_interop_threads()})."
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,12 +22,11 @@ The table is printed and written to ``integration/results/bench_linearized.md``.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import time
 from pathlib import Path
 
 import torch
+from _common import machine
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
@@ -224,19 +223,6 @@ def layer_ratios(model: nn.Module, x: Tensor, variance: Tensor) -> dict[str, tup
         _, lin = linearized_variance(model, x, variance * masks[:, i])
         out[layer] = ((exact[i].sum() / total).item(), (lin.sum() / exact[i].sum()).item())
     return out
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return (
-        f"Machine: {cpu}, {os.cpu_count()} logical CPUs; Python {platform.python_version()}, "
-        f"torch {torch.__version__}, torch threads {torch.get_num_threads()}."
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -255,6 +255,17 @@ def _squared_separable(m: Tensor, x: Tensor, y: Tensor, kwargs: dict, *, forward
     return m
 
 
+def _module_settings(module: nn.Upsample) -> dict[str, Any]:
+    """The :func:`torch.nn.functional.interpolate` arguments an ``nn.Upsample`` passes."""
+    return {
+        "size": module.size,
+        "scale_factor": module.scale_factor,
+        "mode": module.mode,
+        "align_corners": module.align_corners,
+        "recompute_scale_factor": module.recompute_scale_factor,
+    }
+
+
 class UpsampleRule(Rule):
     """Exact rule for ``nn.Upsample``, ``nn.UpsamplingNearest2d`` and ``nn.UpsamplingBilinear2d``.
 
@@ -272,16 +283,7 @@ class UpsampleRule(Rule):
 
     def input_rule(self, module: nn.Upsample, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
         """Return ``m_in = (J ∘ J)^T m_out``, shaped like ``x`` (see :func:`interpolate_rule`)."""
-        return interpolate_rule(
-            x,
-            y,
-            m_out,
-            size=module.size,
-            scale_factor=module.scale_factor,
-            mode=module.mode,
-            align_corners=module.align_corners,
-            recompute_scale_factor=module.recompute_scale_factor,
-        )
+        return interpolate_rule(x, y, m_out, **_module_settings(module))
 
     def forward_rule(
         self,
@@ -292,13 +294,4 @@ class UpsampleRule(Rule):
         param_var: Mapping[str, Tensor],
     ) -> Tensor:
         """Return ``v_out = (J ∘ J) v_in``, shaped like ``y`` (:func:`interpolate_forward_rule`)."""
-        return interpolate_forward_rule(
-            x,
-            y,
-            v_in,
-            size=module.size,
-            scale_factor=module.scale_factor,
-            mode=module.mode,
-            align_corners=module.align_corners,
-            recompute_scale_factor=module.recompute_scale_factor,
-        )
+        return interpolate_forward_rule(x, y, v_in, **_module_settings(module))
