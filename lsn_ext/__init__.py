@@ -17,6 +17,7 @@ from lsn_ext.bridge import (
     laplace_bridge,
 )
 from lsn_ext.engine import DiagBackpropResult, diag_backprop
+from lsn_ext.estimators import ESTIMATORS, ggn_diagonal
 from lsn_ext.forward import linearized_variance
 from lsn_ext.laplace_ext import (
     DiagBackprop,
@@ -31,6 +32,7 @@ from lsn_ext.vi import GaussianMixture, StructuredGaussian, VariationalPosterior
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ESTIMATORS",
     "MSE",
     "BCEWithLogits",
     "BridgeDirichlet",
@@ -50,6 +52,7 @@ __all__ = [
     "diag_backprop",
     "dirichlet_to_gaussian",
     "get_rule",
+    "ggn_diagonal",
     "gridsearch_prior_precision",
     "laplace_bridge",
     "linearized_variance",

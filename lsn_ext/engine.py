@@ -54,12 +54,17 @@ class DiagBackpropResult:
         loss: The loss on the batch (detached scalar).
         logits: The model output (detached), ``[N, C, *]`` or ``[N, K]``.
         diagonals: Parameter name → DB diagonal of the GGN, shaped like the parameter, in
-            ``model.named_parameters()`` order.
+            ``model.named_parameters()`` order (or the estimate of
+            :func:`~lsn_ext.ggn_diagonal`'s other estimators).
+        scales: For ``ggn_diagonal(..., estimator="db_calibrated")``: parameter name → the
+            factor ``c_ℓ`` that rescaled DB's diagonal (``NaN`` where DB's trace is zero and the
+            Monte-Carlo estimate was used instead); ``None`` otherwise.
     """
 
     loss: Tensor
     logits: Tensor
     diagonals: dict[str, Tensor]
+    scales: dict[str, Tensor] | None = None
 
     @property
     def vector(self) -> Tensor:

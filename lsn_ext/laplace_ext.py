@@ -32,7 +32,7 @@ from laplace.curvature import GGNInterface
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from lsn_ext.engine import diag_backprop
+from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
 
 __all__ = [
@@ -47,8 +47,9 @@ class DiagBackprop(GGNInterface):
     """laplace-torch backend computing the GGN diagonal by diagonal backpropagation.
 
     Use it with ``hessian_structure="diag"`` and ``subset_of_weights="all"`` (or a subnetwork
-    Laplace, whose indices it honours). ``H`` is ``Σ_batches`` of :func:`lsn_ext.diag_backprop`
-    with laplace-torch's conventions: losses summed over the data, the regression loss
+    Laplace, whose indices it honours). ``H`` is ``Σ_batches`` of :func:`lsn_ext.ggn_diagonal`
+    (diagonal backprop unless ``estimator`` says otherwise) with laplace-torch's conventions:
+    losses summed over the data, the regression loss
     ``½ Σ (f − y)²`` (Hessian 1, scaled by laplace-torch with ``1/σ²``).
 
     Args:
@@ -63,10 +64,19 @@ class DiagBackprop(GGNInterface):
             segmentation with one logit channel, ``"mse"`` (regression), or a
             :class:`~lsn_ext.Loss`. Pass it as ``backend_kwargs={"loss": ...}``.
         ce_first_step: ``"exact"`` (default) or ``"diag"``, see :func:`lsn_ext.diag_backprop`.
+        estimator: How each batch's GGN diagonal is estimated (:func:`lsn_ext.ggn_diagonal`):
+            ``"db"`` (default: diagonal backprop, the LSN paper's method; deterministic, one
+            backward pass, underestimates the lower layers of trained networks),
+            ``"db_calibrated"`` (DB rescaled per parameter tensor to Monte-Carlo traces, per
+            batch) or ``"mc"`` (unbiased Monte Carlo, noisy).
+        mc_samples: Monte-Carlo vectors per sample for ``"mc"`` and ``"db_calibrated"``.
+        shrinkage: Weight of the Monte-Carlo estimate in ``"db_calibrated"``, in ``[0, 1]``.
+        seed: Seed of the backend's own random generator for the Monte-Carlo vectors, so that
+            refitting gives the same curvature; ``None`` draws from torch's global generator.
 
     Raises:
-        ValueError: For ``last_layer=True``, a loss that does not match the likelihood, or a
-            loss with ``reduction="mean"``.
+        ValueError: For ``last_layer=True``, a loss that does not match the likelihood, a
+            loss with ``reduction="mean"``, or an unknown estimator or bad estimator options.
     """
 
     def __init__(
@@ -79,6 +89,10 @@ class DiagBackprop(GGNInterface):
         dict_key_y: str = "labels",
         loss: str | Loss | nn.Module | None = None,
         ce_first_step: Literal["exact", "diag"] = "exact",
+        estimator: Estimator = "db",
+        mc_samples: int = 1,
+        shrinkage: float = 0.0,
+        seed: int | None = None,
     ):
         if last_layer:
             raise ValueError(
@@ -102,17 +116,32 @@ class DiagBackprop(GGNInterface):
         if ce_first_step not in ("exact", "diag"):
             raise ValueError(f"ce_first_step must be 'exact' or 'diag', got {ce_first_step!r}")
         self.ce_first_step = ce_first_step
+        check_estimator(estimator, mc_samples, shrinkage)
+        self.estimator, self.mc_samples, self.shrinkage = estimator, mc_samples, shrinkage
+        self.seed = seed
+        self._generator: torch.Generator | None = None
         self.factor = 1.0
         self.lossfunc = self.loss_fn.value
 
     def diag(
         self, x: Tensor | MutableMapping[str, Any], y: Tensor, **kwargs: Any
     ) -> tuple[Tensor, Tensor]:
-        """Loss and DB diagonal of the GGN on one batch, ``(scalar, [n_params])``."""
+        """Loss and estimated GGN diagonal on one batch, ``(scalar, [n_params])``."""
         if not isinstance(x, Tensor):
             raise TypeError("DiagBackprop takes tensor inputs, not dictionaries")
-        result = diag_backprop(
-            self.model, x, y, self.loss_fn, ce_first_step=self.ce_first_step, params=self.params
+        if self.seed is not None and self._generator is None:
+            self._generator = torch.Generator(x.device).manual_seed(self.seed)
+        result = ggn_diagonal(
+            self.model,
+            x,
+            y,
+            self.loss_fn,
+            estimator=self.estimator,
+            mc_samples=self.mc_samples,
+            shrinkage=self.shrinkage,
+            generator=self._generator,
+            ce_first_step=self.ce_first_step,
+            params=self.params,
         )
         H = result.vector
         if self.subnetwork_indices is not None:

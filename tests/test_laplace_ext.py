@@ -5,7 +5,7 @@ from laplace.curvature import CurvlinopsGGN
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lsn_ext import BCEWithLogits, CrossEntropy, diag_backprop
+from lsn_ext import BCEWithLogits, CrossEntropy, diag_backprop, ggn_diagonal
 from lsn_ext.data import synthetic_lesions
 from lsn_ext.laplace_ext import DiagBackprop, gridsearch_prior_precision, predict
 from lsn_ext.models import UNet
@@ -62,6 +62,33 @@ def test_fit_sums_engine_diagonal_over_loader(case):
     torch.testing.assert_close(la.H, expected_h, **TOL)
     torch.testing.assert_close(torch.as_tensor(la.loss), expected_loss, **TOL)
     assert la.n_data == len(x)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"estimator": "mc", "mc_samples": 2},
+        {"estimator": "db_calibrated"},
+        {"estimator": "db_calibrated", "shrinkage": 0.3},
+    ],
+    ids=["mc", "db-calibrated", "db-calibrated-shrinkage"],
+)
+def test_fit_with_another_estimator_sums_its_batches(options):
+    x, m = lesions()
+    net = UNet(3, 1, widths=(2, 3, 4), upsampling="bilinear")
+    loader = DataLoader(TensorDataset(x, m), batch_size=3)
+    loss = BCEWithLogits(pos_weight=3.0)
+    la = make_laplace(net, loss=loss, seed=7, **options)
+    la.fit(loader)
+    generator = torch.Generator().manual_seed(7)
+    expected = sum(
+        ggn_diagonal(net, xb, yb, loss, generator=generator, **options).vector for xb, yb in loader
+    )
+    torch.testing.assert_close(la.H, expected, **TOL)
+    db = engine_sum(net, loader, loss)[1]
+    assert not torch.allclose(la.H, db)
+    la.fit(loader)  # the backend's generator goes on: a refit draws new vectors
+    assert not torch.allclose(la.H, expected)
 
 
 def test_single_linear_layer_matches_laplace_torch_exact_backend():
@@ -229,8 +256,17 @@ def test_backend_name_avoids_laplace_torch_backpack_special_case():
             ValueError,
             "reduction='sum'",
         ),
+        (lambda net: make_laplace(net, estimator="kfac"), ValueError, "unknown estimator 'kfac'"),
+        (
+            lambda net: make_laplace(net, estimator="mc", mc_samples=0),
+            ValueError,
+            "mc_samples must be a positive int",
+        ),
     ],
-    ids=["kron", "full", "loss-likelihood-mismatch", "mean-reduction"],
+    ids=[
+        "kron", "full", "loss-likelihood-mismatch", "mean-reduction", "unknown-estimator",
+        "zero-mc-samples",
+    ],
 )  # fmt: skip
 def test_unsupported_configurations_are_refused(build, err, pattern):
     x, m = lesions(4)

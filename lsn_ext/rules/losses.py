@@ -50,6 +50,31 @@ class Loss:
         """The per-position ``[N, C, C, *]`` Hessian block, or ``None`` when it is diagonal."""
         return None
 
+    def hessian_sqrt(self, logits: Tensor, targets: Tensor, z: Tensor) -> Tensor:
+        """Apply a square root ``B`` of the Hessian (``B Bᵀ = H``) to vectors ``z``.
+
+        With ``E[z zᵀ] = I`` the vectors ``s = B z`` satisfy ``E[s sᵀ] = H``: they start the
+        Monte-Carlo GGN estimate (:func:`lsn_ext.ggn_diagonal` with ``estimator="mc"``).
+        This default serves losses with a diagonal Hessian: ``s = √h ⊙ z``.
+
+        Args:
+            logits: ``[N, *]``.
+            targets: As :meth:`check` accepts them.
+            z: ``[S, *logits.shape]``, ``S`` vectors.
+
+        Returns:
+            ``[S, *logits.shape]``.
+
+        Raises:
+            NotImplementedError: For a loss with a non-diagonal Hessian that does not override
+                this method.
+        """
+        if self.hessian_block(logits, targets) is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__} has a non-diagonal Hessian: implement hessian_sqrt"
+            )
+        return self.hessian_diag(logits, targets).sqrt() * z
+
     def check(self, logits: Tensor, targets: Tensor) -> Tensor:
         """Validate shapes and values; return the targets in the form the loss uses."""
         raise NotImplementedError
@@ -219,6 +244,18 @@ class CrossEntropy(Loss):
         eye = eye.reshape(1, *eye.shape, *([1] * (p.dim() - 2)))
         block = p.unsqueeze(2) * eye - p.unsqueeze(2) * p.unsqueeze(1)
         return block * w.unsqueeze(1).unsqueeze(1)
+
+    def hessian_sqrt(self, logits: Tensor, targets: Tensor, z: Tensor) -> Tensor:
+        """``s = √w_y (√p ⊙ z − p (√p · z))`` per position, ``[S, N, C, *]``.
+
+        ``B = diag(√p) − p √pᵀ`` gives ``B Bᵀ = diag p − 2 p pᵀ + p pᵀ Σ_c p_c = diag p − p pᵀ``:
+        a square root of the softmax block without an eigendecomposition.
+        """
+        targets = self.check(logits, targets)
+        p = torch.softmax(logits, 1)
+        root = p.sqrt()
+        w = self._position_weight(logits, targets).sqrt().unsqueeze(1)
+        return w * (root * z - p * (root * z).sum(2, keepdim=True))
 
 
 class MSE(Loss):

@@ -1,0 +1,351 @@
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, hessian, jacrev
+
+import lsn_ext
+from lsn_ext.estimators import _monte_carlo
+from lsn_ext.exact import exact_ggn_diagonal, flatten_diagonals
+from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy
+from tests.networks import classifier, residual_net, tiny_unet
+
+
+def _targets(loss, out_shape):
+    if isinstance(loss, CrossEntropy):
+        y = torch.randint(0, out_shape[1], out_shape[:1] + out_shape[2:])
+        if loss.ignore_index >= 0:
+            y[0, ..., 0] = loss.ignore_index
+        return y
+    if isinstance(loss, BCEWithLogits):
+        return (torch.rand(out_shape) > 0.5).double()
+    return torch.randn(out_shape)
+
+
+LOSSES = {
+    "bce": BCEWithLogits(),
+    "bce-pos-weight-mean": BCEWithLogits(pos_weight=2.5, reduction="mean"),
+    "bce-element-weight": BCEWithLogits(weight=torch.rand(1, 3, 2, 2)),
+    "ce": CrossEntropy(),
+    "ce-weight-ignore": CrossEntropy(weight=torch.tensor([0.5, 2.0, 1.0]), ignore_index=1),
+    "ce-mean-smoothing": CrossEntropy(reduction="mean", label_smoothing=0.1),
+    "mse": MSE(),
+    "mse-mean-factor": MSE(reduction="mean", factor=1.0),
+}
+
+
+@pytest.mark.parametrize("name", LOSSES)
+def test_hessian_sqrt_squares_to_the_loss_hessian(name):
+    """``Σ_j (B e_j)(B e_j)ᵀ = B Bᵀ`` equals the dense Hessian of the loss value."""
+    loss = LOSSES[name]
+    f = torch.randn(2, 3, 2, 2)
+    y = _targets(loss, f.shape)
+    basis = torch.eye(f.numel()).reshape(f.numel(), *f.shape)
+    S = loss.hessian_sqrt(f, y, basis).reshape(f.numel(), -1)
+    H = hessian(lambda g: loss.value(g, y))(f).reshape(f.numel(), f.numel())
+    torch.testing.assert_close(S.T @ S, H, atol=1e-12, rtol=1e-10)
+
+
+def _dense_mc(model, x, y, loss, noise):
+    """``(1/S) Σ_s Σ_n (J_nᵀ B_n z_sn)²`` from per-sample Jacobians (jacrev, no vmap)."""
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    out = model(x).detach()
+    vectors = loss.hessian_sqrt(out, y, noise)  # [S, N, ...]
+    total = {k: torch.zeros_like(p) for k, p in params.items()}
+    for n in range(x.shape[0]):
+        jac = jacrev(lambda p, n=n: functional_call(model, p, (x[n : n + 1],)))(params)
+        for s in vectors:
+            for k, j in jac.items():
+                g = torch.tensordot(s[n : n + 1], j, dims=s[n : n + 1].dim())
+                total[k] += g.square()
+    return {k: v / noise.shape[0] for k, v in total.items()}
+
+
+NETWORKS = {
+    "tiny-unet-bce": (lambda: tiny_unet(1), (2, 2, 8, 8), BCEWithLogits(pos_weight=2.0)),
+    "tiny-unet-transposed-ce": (
+        lambda: tiny_unet(3, up="transposed", order="up-first"),
+        (2, 2, 8, 8),
+        CrossEntropy(weight=torch.tensor([1.0, 2.0, 0.5])),
+    ),
+    "residual-batchnorm-mse": (lambda: residual_net().eval(), (2, 2, 6, 6), MSE()),
+    "classifier-ce": (classifier, (3, 2, 5, 5), CrossEntropy()),
+}
+
+
+@pytest.mark.parametrize("name", NETWORKS)
+def test_mc_equals_dense_per_sample_reference(name):
+    build, in_shape, loss = NETWORKS[name]
+    model = build()
+    x = torch.randn(in_shape)
+    out_shape = model(x).shape
+    y = _targets(loss, out_shape)
+    noise = torch.randn(3, *out_shape)
+    got = _monte_carlo(model, x, y, loss, 3, None, None, noise).diagonals
+    want = _dense_mc(model, x, y, loss, noise)
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-9)
+
+
+class _Shared(nn.Module):
+    """One convolution applied twice, an in-place ReLU after it, and an unused branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.act = nn.ReLU(inplace=True)
+        self.unused = nn.Conv2d(2, 2, 1)
+        self.head = nn.Conv2d(2, 1, 1)
+
+    def forward(self, x):
+        self.unused(x).detach()
+        return self.head(self.conv(self.act(self.conv(x))))
+
+
+def test_mc_sums_a_shared_module_over_its_calls_before_squaring():
+    model = _Shared()
+    x = torch.randn(2, 2, 5, 5)
+    y = (torch.rand(2, 1, 5, 5) > 0.5).double()
+    noise = torch.randn(2, 2, 1, 5, 5)
+    loss = BCEWithLogits()
+    got = _monte_carlo(model, x, y, loss, 2, None, None, noise).diagonals
+    want = _dense_mc(model, x, y, loss, noise)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-9)
+    assert got["unused.weight"].abs().sum() == 0
+
+
+UNBIASED = {
+    "bce": (lambda: tiny_unet(1, up="bilinear"), BCEWithLogits(pos_weight=3.0)),
+    "ce": (lambda: tiny_unet(3, up="bilinear"), CrossEntropy()),
+    "mse": (lambda: tiny_unet(2, up="nearest"), MSE()),
+}
+
+
+@pytest.mark.parametrize("name", UNBIASED)
+def test_mc_is_unbiased_over_seeds(name):
+    """The mean over 300 seeds matches the exact diagonal within 5 standard errors, everywhere."""
+    build, loss = UNBIASED[name]
+    model = build()
+    x = torch.randn(2, 2, 4, 4)
+    y = _targets(loss, model(x).shape)
+    exact = flatten_diagonals(model, exact_ggn_diagonal(model, x, y, loss))
+    draws = torch.stack(
+        [
+            lsn_ext.ggn_diagonal(
+                model, x, y, loss, estimator="mc", generator=torch.Generator().manual_seed(s)
+            ).vector
+            for s in range(300)
+        ]
+    )
+    mean, se = draws.mean(0), draws.std(0) / draws.shape[0] ** 0.5
+    assert (draws.std(0) > 0).any()  # the estimator is random
+    assert ((mean - exact).abs() <= 5 * se + 1e-12 * exact.abs().max()).all()
+    assert (mean.sum() - exact.sum()).abs() <= 5 * draws.sum(1).std() / draws.shape[0] ** 0.5
+
+
+def test_db_estimator_is_diag_backprop():
+    model = tiny_unet(3)
+    x, y = torch.randn(2, 2, 4, 4), torch.randint(0, 3, (2, 4, 4))
+    got = lsn_ext.ggn_diagonal(model, x, y, "ce", estimator="db", ce_first_step="diag")
+    want = lsn_ext.diag_backprop(model, x, y, "ce", ce_first_step="diag")
+    torch.testing.assert_close(got.vector, want.vector, rtol=0, atol=0)
+    assert got.scales is None
+
+
+def _calibrated(model, x, y, loss, seed, **kwargs):
+    return lsn_ext.ggn_diagonal(
+        model,
+        x,
+        y,
+        loss,
+        estimator="db_calibrated",
+        generator=torch.Generator().manual_seed(seed),
+        **kwargs,
+    )
+
+
+def test_calibrated_keeps_db_shape_with_monte_carlo_traces():
+    model = tiny_unet(1)
+    x, y = torch.randn(2, 2, 8, 8), (torch.rand(2, 1, 8, 8) > 0.5).double()
+    got = _calibrated(model, x, y, "bce", seed=3, mc_samples=2)
+    db = lsn_ext.diag_backprop(model, x, y, "bce").diagonals
+    mc = lsn_ext.ggn_diagonal(
+        model, x, y, "bce", estimator="mc", mc_samples=2, generator=torch.Generator().manual_seed(3)
+    ).diagonals
+    for k, d in got.diagonals.items():
+        torch.testing.assert_close(d.sum(), mc[k].sum())
+        torch.testing.assert_close(d, got.scales[k] * db[k])
+        assert got.scales[k] > 0
+    assert any(abs(c - 1) > 0.05 for c in got.scales.values())
+
+
+def test_calibrated_shrinkage_interpolates_to_monte_carlo():
+    model = tiny_unet(1)
+    x, y = torch.randn(2, 2, 8, 8), (torch.rand(2, 1, 8, 8) > 0.5).double()
+    full = _calibrated(model, x, y, "bce", seed=1, shrinkage=1.0).vector
+    none = _calibrated(model, x, y, "bce", seed=1).vector
+    half = _calibrated(model, x, y, "bce", seed=1, shrinkage=0.5).vector
+    mc = lsn_ext.ggn_diagonal(
+        model, x, y, "bce", estimator="mc", generator=torch.Generator().manual_seed(1)
+    ).vector
+    torch.testing.assert_close(full, mc)
+    torch.testing.assert_close(half, (full + none) / 2)
+
+
+def test_calibrated_layer_traces_are_unbiased():
+    model = tiny_unet(3)
+    x, y = torch.randn(2, 2, 4, 4), torch.randint(0, 3, (2, 4, 4))
+    exact = exact_ggn_diagonal(model, x, y, "ce")
+    traces = torch.stack(
+        [
+            torch.stack([d.sum() for d in _calibrated(model, x, y, "ce", s).diagonals.values()])
+            for s in range(200)
+        ]
+    )
+    want = torch.stack([d.sum() for d in exact.values()])
+    se = traces.std(0) / traces.shape[0] ** 0.5
+    assert ((traces.mean(0) - want).abs() <= 5 * se).all()
+
+
+def test_calibrated_uses_monte_carlo_where_db_sees_nothing():
+    model = nn.Sequential(nn.Conv2d(1, 1, 1, bias=False), nn.Conv2d(1, 1, 1))
+    with torch.no_grad():
+        model[1].weight.zero_()  # no curvature reaches the first layer
+    x, y = torch.randn(2, 1, 3, 3), torch.randn(2, 1, 3, 3)
+    got = _calibrated(model, x, y, "mse", seed=0)
+    assert torch.isnan(got.scales["0.weight"])
+    assert got.diagonals["0.weight"].sum() == 0
+    assert got.scales["1.bias"] > 0
+    assert torch.isfinite(got.vector).all()
+
+
+def test_mc_with_float32_and_a_generator_is_reproducible():
+    model = tiny_unet(1).float()
+    x, y = torch.randn(2, 2, 8, 8).float(), (torch.rand(2, 1, 8, 8) > 0.5).float()
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        return lsn_ext.ggn_diagonal(model, x, y, "bce", estimator="mc", mc_samples=4, generator=g)
+
+    a, b, c = run(0), run(0), run(1)
+    assert a.vector.dtype == torch.float32
+    torch.testing.assert_close(a.vector, b.vector, rtol=0, atol=0)
+    assert not torch.equal(a.vector, c.vector)
+    torch.testing.assert_close(a.loss, lsn_ext.diag_backprop(model, x, y, "bce").loss)
+
+
+@pytest.mark.parametrize("estimator", ["mc", "db_calibrated"])
+def test_model_is_left_as_found(estimator):
+    model = tiny_unet(1)
+    before = copy.deepcopy(model.state_dict())
+    x, y = torch.randn(2, 2, 8, 8), (torch.rand(2, 1, 8, 8) > 0.5).double()
+    lsn_ext.ggn_diagonal(model, x, y, "bce", estimator=estimator)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert model.training
+
+
+def test_params_subset():
+    model = tiny_unet(1)
+    x, y = torch.randn(2, 2, 8, 8), (torch.rand(2, 1, 8, 8) > 0.5).double()
+    chosen = [model.layers["head"].weight, model.layers["e1"].bias]
+    got = lsn_ext.ggn_diagonal(model, x, y, "bce", estimator="mc", params=chosen)
+    assert list(got.diagonals) == ["layers.e1.bias", "layers.head.weight"]
+
+
+class _NonLeafParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 1)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.conv(x) * self.scale
+
+
+class _Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(1, 1, 1)
+        self.b = nn.Conv2d(1, 1, 1)
+
+    def forward(self, x):
+        return nn.functional.conv2d(self.a(x), self.b.weight)
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(1, 1, 1)
+        self.b = nn.Conv2d(1, 1, 1)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class _Folded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x.reshape(-1, 3)).reshape(x.shape)
+
+
+class _Kwargs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Bilinear(2, 2, 2)
+
+    def forward(self, x):
+        return self.lin(x, x)
+
+
+ERRORS = {
+    "non-leaf-parameter": (_NonLeafParameter, (2, 1, 3, 3), "belongs to '<model>'"),
+    "functional-use": (_Functional, (2, 1, 3, 3), "parameter 'b.weight' influences"),
+    "tied": (_Tied, (2, 1, 3, 3), "shared by 'a' and 'b'"),
+    "folded-batch": (_Folded, (2, 2, 3), r"shape \(4, 3\) whose first dimension"),
+    "two-inputs": (_Kwargs, (2, 2), "with 2 positional"),
+}
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_mc_refuses_what_it_cannot_estimate(name):
+    build, shape, match = ERRORS[name]
+    model = build()
+    x = torch.randn(shape)
+    with pytest.raises(NotImplementedError, match=match):
+        lsn_ext.ggn_diagonal(model, x, torch.randn(model(x).shape), "mse", estimator="mc")
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_mc_refuses_training_mode_batch_norm():
+    model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2))
+    x = torch.randn(3, 1, 2, 2)
+    with pytest.raises(ValueError, match=r"'1' \(BatchNorm2d\).*eval"):
+        lsn_ext.ggn_diagonal(model, x, torch.randn(3, 2, 2, 2), "mse", estimator="mc")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"estimator": "exact"}, "unknown estimator 'exact'"),
+        ({"estimator": "mc", "mc_samples": 0}, "mc_samples must be a positive int"),
+        ({"estimator": "mc", "mc_samples": True}, "mc_samples must be a positive int"),
+        ({"estimator": "db_calibrated", "shrinkage": 1.5}, r"shrinkage must lie in \[0, 1\]"),
+        ({"estimator": "mc", "shrinkage": 0.5}, "shrinkage applies to"),
+    ],
+    ids=["unknown", "zero-samples", "bool-samples", "shrinkage-range", "shrinkage-not-calibrated"],
+)
+def test_argument_errors(kwargs, match):
+    model = nn.Conv2d(1, 1, 1)
+    x = torch.randn(2, 1, 2, 2)
+    with pytest.raises(ValueError, match=match):
+        lsn_ext.ggn_diagonal(model, x, torch.randn(2, 1, 2, 2), "mse", **kwargs)
