@@ -3,7 +3,7 @@ against the exact GGN diagonal.
 
 Run from the repository root::
 
-    .venv/bin/python integration/bench_db.py            # both parts, ~4-6 minutes on 2 cores
+    .venv/bin/python integration/bench_db.py            # all parts, ~6-8 minutes on 2 cores
     .venv/bin/python integration/bench_db.py --quick    # tiny sizes, a smoke run
     .venv/bin/python integration/bench_db.py --part a   # only the cost tables
 
@@ -14,6 +14,10 @@ time in the number of pixels.
 
 Part (b): a 3-level U-Net (8-16-32, tanh, float64, random init, batch 2) at 16² and 32², BCE and
 2-class cross-entropy: DB and a one-sample Monte-Carlo GGN diagonal against the exact diagonal.
+
+Part (c): the same U-Net at 64² and 128²: time and peak memory of the Monte-Carlo and calibrated
+estimators (:func:`lsn_ext.ggn_diagonal`) beside DB, relative to a training step. Their accuracy
+on trained networks is measured by ``integration/bench_accuracy.py``.
 
 The tables are printed and written to ``integration/results/bench_db.md``.
 """
@@ -37,6 +41,7 @@ from _common import machine
 from torch import nn
 
 from lsn_ext.engine import diag_backprop
+from lsn_ext.estimators import ggn_diagonal
 from lsn_ext.exact import exact_ggn_diagonal, flatten_diagonals, mc_ggn_diagonal
 from lsn_ext.models import UNet
 
@@ -71,7 +76,15 @@ def _db_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
     diag_backprop(model, x, y, loss="bce")
 
 
-METHODS = {"train": _train_step, "db": _db_step}
+def _mc_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    ggn_diagonal(model, x, y, "bce", estimator="mc")
+
+
+def _calibrated_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    ggn_diagonal(model, x, y, "bce", estimator="db_calibrated")
+
+
+METHODS = {"train": _train_step, "db": _db_step, "mc": _mc_step, "db_calibrated": _calibrated_step}
 
 
 def _rss_bytes() -> int:
@@ -162,25 +175,28 @@ def _measure_memory(method: str, size: int, batch: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _time(model, x, y, reps: int) -> dict[str, float]:
-    """Median and minimum seconds per op, and the median of the per-pair ratios DB/train.
+def _time(model, x, y, reps: int, methods: tuple[str, ...] = ("train", "db")) -> dict[str, float]:
+    """Median and minimum seconds per op, and the median of the per-pair ratios op/train.
 
-    The two methods alternate, so that load from other processes on a shared machine hits both
-    alike; the paired ratio and the minima are the figures least affected by it.
+    The methods alternate, so that load from other processes on a shared machine hits them
+    alike; the paired ratios and the minima are the figures least affected by it. ``ratio`` is
+    DB's, ``ratio_<method>`` every method's.
     """
-    for fn in METHODS.values():  # warm-up
-        fn(model, x, y)
-    times: dict[str, list[float]] = {m: [] for m in METHODS}
+    for m in methods:  # warm-up
+        METHODS[m](model, x, y)
+    times: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(reps):
-        for name, fn in METHODS.items():
+        for m in methods:
             t0 = time.perf_counter()
-            fn(model, x, y)
-            times[name].append(time.perf_counter() - t0)
+            METHODS[m](model, x, y)
+            times[m].append(time.perf_counter() - t0)
     out = {m: statistics.median(t) for m, t in times.items()}
     out |= {f"{m}_min": min(t) for m, t in times.items()}
-    out["ratio"] = statistics.median(
-        d / t for d, t in zip(times["db"], times["train"], strict=True)
-    )
+    for m in methods:
+        out[f"ratio_{m}"] = statistics.median(
+            d / t for d, t in zip(times[m], times["train"], strict=True)
+        )
+    out["ratio"] = out["ratio_db"]
     return out
 
 
@@ -193,12 +209,12 @@ def part_a(sizes: list[int], batch: int, reps: dict[int, int]) -> str:
     for size in sizes:
         x, y = _batch(batch, size)
         t = _time(model, x, y, reps[size])
-        mem = {m: _measure_memory(m, size, batch) for m in METHODS}
+        mem = {m: _measure_memory(m, size, batch) for m in ("train", "db")}
         reset = all(v["counter"] != "ru_maxrss" for v in mem.values())
         times[size] = t
-        mems[size] = {m: mem[m]["peak_increase"] for m in METHODS}
-        mib = {m: mem[m]["peak_increase"] / 2**20 for m in METHODS}
-        flag = "" if all(mem[m]["valid"] for m in METHODS) else " ⚠"
+        mems[size] = {m: v["peak_increase"] for m, v in mem.items()}
+        mib = {m: v["peak_increase"] / 2**20 for m, v in mem.items()}
+        flag = "" if all(v["valid"] for v in mem.values()) else " ⚠"
         rows.append(
             f"| {size}² | {reps[size]} | {t['train'] * 1e3:.0f} ({t['train_min'] * 1e3:.0f}) | "
             f"{t['db'] * 1e3:.0f} ({t['db_min'] * 1e3:.0f}) | {t['ratio']:.2f} | "
@@ -258,6 +274,41 @@ def part_a(sizes: list[int], batch: int, reps: dict[int, int]) -> str:
             "⚠: the op did not raise the peak counter above its prior value; peak unreliable."
         )
     return "\n".join(lines)
+
+
+def part_c(sizes: list[int], batch: int, reps: dict[int, int]) -> str:
+    """Cost of the Monte-Carlo and calibrated estimators beside DB and a training step."""
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    model = _paper_unet()
+    estimators = ("db", "mc", "db_calibrated")
+    rows = []
+    for size in sizes:
+        x, y = _batch(batch, size)
+        t = _time(model, x, y, reps[size], ("train", *estimators))
+        mem = {m: _measure_memory(m, size, batch) for m in ("train", *estimators)}
+        mib = {m: v["peak_increase"] / 2**20 for m, v in mem.items()}
+        cells = [
+            f"{t[m] * 1e3:.0f} ms, {t[f'ratio_{m}']:.2f}×, {mib[m] / mib['train']:.2f}×"
+            for m in estimators
+        ]
+        flag = "" if all(v["valid"] for v in mem.values()) else " ⚠"
+        rows.append(f"| {size}² | {t['train'] * 1e3:.0f} ms | " + " | ".join(cells) + f"{flag} |")
+        print(f"  (c) {size}²: {rows[-1]}", flush=True)
+    return "\n".join(
+        [
+            f"### (c) Cost of the estimators (`lsn_ext.ggn_diagonal`), the same U-Net, batch "
+            f"{batch}, BCE, float32",
+            "",
+            "Per estimator: median time, median of the paired time ratios to the training step, "
+            "peak-memory ratio to the training step (measured as in (a)). `mc`: one Rademacher "
+            "vector per image; `db_calibrated`: DB plus that Monte-Carlo pass.",
+            "",
+            "| image | train step | db | mc (k=1) | db_calibrated (k=1) |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,7 +439,7 @@ def part_b(sizes: list[int], mc_draws: int) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
-    parser.add_argument("--part", choices=["a", "b", "all"], default="all")
+    parser.add_argument("--part", choices=["a", "b", "c", "all"], default="all")
     parser.add_argument("--_memory-worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -406,6 +457,11 @@ def main(argv: list[str] | None = None) -> None:
             sections.append(part_a([32, 64], batch=2, reps={32: 2, 64: 2}))
         else:
             sections.append(part_a([64, 128, 256], batch=8, reps={64: 20, 128: 10, 256: 5}))
+    if args.part in ("c", "all"):
+        if args.quick:
+            sections.append(part_c([32], batch=2, reps={32: 2}))
+        else:
+            sections.append(part_c([64, 128], batch=8, reps={64: 10, 128: 5}))
     if args.part in ("b", "all"):
         sections.append(part_b([8] if args.quick else [16, 32], mc_draws=3 if args.quick else 10))
     sections.append(f"Total benchmark time: {time.perf_counter() - t0:.0f} s.")

@@ -23,6 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--samples", type=int, default=50, help="epistemic samples (paper: 50)")
     demo.add_argument("--logit-samples", type=int, default=20, help="aleatoric (paper: 20)")
     demo.add_argument("--ensemble", type=int, default=3, help="ensemble members (0: none)")
+    demo.add_argument(
+        "--estimator",
+        choices=("db", "db_calibrated", "mc"),
+        default="db",
+        help="GGN-diagonal estimator of the Laplace posteriors (default: db, the paper's)",
+    )
+    demo.add_argument("--mc-samples", type=int, default=1, help="Monte-Carlo vectors per image")
     demo.add_argument("--quick", action="store_true", help="tiny run (seconds), for tests")
     demo.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (0: torch's default)"
@@ -32,9 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from lsn_ext.demo import DemoConfig, run_demo
 
-        if args.epochs < 1 or args.samples < 2 or args.logit_samples < 2 or args.ensemble < 0:
+        if (
+            args.epochs < 1
+            or args.samples < 2
+            or args.logit_samples < 2
+            or args.ensemble < 0
+            or args.mc_samples < 1
+        ):
             parser.error(
-                "need --epochs >= 1, --samples >= 2, --logit-samples >= 2, --ensemble >= 0"
+                "need --epochs >= 1, --samples >= 2, --logit-samples >= 2, --ensemble >= 0, "
+                "--mc-samples >= 1"
             )
         return run_demo(
             DemoConfig(
@@ -47,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                 ensemble=args.ensemble,
                 progress=not args.no_progress,
                 threads=args.threads or None,
+                estimator=args.estimator,
+                mc_samples=args.mc_samples,
             )
         )
     return 2

@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from lsn_ext.data import histology_patches, nuclei_patches, random_flips
+from lsn_ext.estimators import Estimator
 from lsn_ext.laplace_ext import (
     DiagBackprop,
     SegmentationPrediction,
@@ -55,7 +56,17 @@ from lsn_ext.metrics import (
 from lsn_ext.models import SSN, UNet, ssn_loss
 from lsn_ext.rules.losses import BCEWithLogits
 
-__all__ = ["DemoConfig", "run_demo"]
+__all__ = [
+    "DemoConfig",
+    "DemoData",
+    "bce_objective",
+    "load_data",
+    "measure",
+    "run_demo",
+    "ssn_objective",
+    "train",
+    "tune_prior",
+]
 
 MODELS = ("LSN", "U-Net + LA", "SSN + Dropout", "U-Net + Dropout", "Ensemble")
 COLUMNS = (
@@ -90,6 +101,9 @@ class DemoConfig:
         threads: CPU threads for torch during the demo (restored afterwards). One thread was
             8× faster than two for these small convolutions on the project's shared 2-core
             machine; ``None`` keeps torch's setting.
+        estimator: GGN-diagonal estimator of the Laplace posteriors (LSN and U-Net + LA):
+            ``"db"``, ``"db_calibrated"`` or ``"mc"`` (:func:`lsn_ext.ggn_diagonal`).
+        mc_samples: Monte-Carlo vectors per image for ``"db_calibrated"`` and ``"mc"``.
     """
 
     out: Path = Path("lsn-ext-output")
@@ -106,18 +120,21 @@ class DemoConfig:
     batch_size: int = 32
     progress: bool = True
     threads: int | None = 1
+    estimator: Estimator = "db"
+    mc_samples: int = 1
 
 
-def _bce(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+def bce_objective(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """Mean binary cross-entropy of a U-Net's logits (the baselines' training loss)."""
     return F.binary_cross_entropy_with_logits(net(x), y)
 
 
-def _ssn_objective(net: SSN, x: Tensor, y: Tensor) -> Tensor:
-    # LSN Eq. 11 per image, divided by the pixels so that the step size matches the BCE models.
+def ssn_objective(net: SSN, x: Tensor, y: Tensor) -> Tensor:
+    """LSN Eq. 11 per image, divided by the pixels so that the step size matches the BCE models."""
     return ssn_loss(net.distribution(x), y, 20) / y[0].numel()
 
 
-def _train(
+def train(
     name: str,
     net: nn.Module,
     objective: Callable[[nn.Module, Tensor, Tensor], Tensor],
@@ -126,6 +143,7 @@ def _train(
     cfg: DemoConfig,
     seed: int,
 ) -> nn.Module:
+    """Adam on ``objective`` for ``cfg.epochs`` epochs with random flips; returns ``net.eval()``."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     net.train()
@@ -145,21 +163,33 @@ def _loader(x: Tensor, y: Tensor, batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
-def _laplace_unet(net: UNet, train: DataLoader):
+def _laplace_unet(net: UNet, train: DataLoader, cfg: DemoConfig):
     la = Laplace(
         net,
         "classification",
         subset_of_weights="all",
         hessian_structure="diag",
         backend=DiagBackprop,
-        backend_kwargs={"loss": BCEWithLogits()},
+        backend_kwargs={
+            "loss": BCEWithLogits(),
+            "estimator": cfg.estimator,
+            "mc_samples": cfg.mc_samples,
+            "seed": cfg.seed,
+        },
     )
     la.fit(train)
     return la
 
 
-def _tune(la: Laplace, val: DataLoader, cfg: DemoConfig) -> float:
-    grid = [1.0, 100.0] if cfg.quick else [10.0**k for k in range(-2, 5)]
+def _estimator_name(cfg: DemoConfig) -> str:
+    if cfg.estimator == "db":
+        return "db (diagonal backprop)"
+    return f"{cfg.estimator} ({cfg.mc_samples} Monte-Carlo vector(s) per image)"
+
+
+def tune_prior(la: Laplace, val: DataLoader, cfg: DemoConfig) -> float:
+    """Grid search of the prior precision (``10⁻²…10⁶``) by validation NLL; sets and returns it."""
+    grid = [1.0, 100.0] if cfg.quick else [10.0**k for k in range(-2, 7)]
     best, _ = gridsearch_prior_precision(la, val, grid, n_samples=2 if cfg.quick else 8)
     return best
 
@@ -229,6 +259,72 @@ def _figure(out: Path, panels: list[tuple[str, list[tuple[str, Tensor, str]]]]) 
     return path
 
 
+@dataclass
+class DemoData:
+    """The demo's data on one device: nuclei splits, corrupted test patches and far OOD.
+
+    Attributes:
+        train_x, train_y, val_x, val_y, test_x, test_y: Nuclei patches ``[P, 1, 64, 64]`` and
+            masks (disjoint row bands, :func:`lsn_ext.data.nuclei_patches`).
+        far_ood: H&E patches normalised like the nuclei, ``[P, 1, 64, 64]``.
+        noise_x, noise_box: The test patches with a white-noise box, and the boxes' masks.
+        black_x, black_box: The test patches with a black box, and the boxes' masks.
+    """
+
+    train_x: Tensor
+    train_y: Tensor
+    val_x: Tensor
+    val_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+    far_ood: Tensor
+    noise_x: Tensor
+    noise_box: Tensor
+    black_x: Tensor
+    black_box: Tensor
+
+
+def load_data(cfg: DemoConfig, device: torch.device) -> DemoData:
+    """The nuclei splits, boxes drawn with ``cfg.seed`` and the H&E patches (few if quick)."""
+    splits = nuclei_patches(64, 32, dtype=torch.float32)
+    far_ood = histology_patches(splits)
+    x_tr, y_tr, x_val, y_val = splits.train_x, splits.train_y, splits.val_x, splits.val_y
+    x_te, y_te = splits.test_x, splits.test_y
+    if cfg.quick:
+        x_tr, y_tr, x_val, y_val = x_tr[:8], y_tr[:8], x_val[:2], y_val[:2]
+        x_te, y_te, far_ood = x_te[:2], y_te[:2], far_ood[:2]
+    gen = torch.Generator().manual_seed(cfg.seed + 1000)
+    x_noise, box_noise = noise_box(x_te, generator=gen)
+    black = splits.normalise(torch.tensor(0.0)).item()
+    x_black, box_black = black_box(x_te, black, generator=gen)
+    tensors = (x_tr, y_tr, x_val, y_val, x_te, y_te, far_ood)
+    tensors += (x_noise, box_noise, x_black, box_black)
+    return DemoData(*(t.to(device) for t in tensors))
+
+
+def measure(
+    predictor: Callable[[Tensor], SegmentationPrediction], data: DemoData
+) -> tuple[dict[str, float], dict[str, SegmentationPrediction]]:
+    """The table's measures of one predictive, and its predictions on each input set.
+
+    Returns:
+        ``({column: value}, {"id" | "noise" | "black" | "he": prediction})``.
+    """
+    inputs = {"id": data.test_x, "noise": data.noise_x, "black": data.black_x, "he": data.far_ood}
+    p = {k: predictor(v) for k, v in inputs.items()}
+    results = {
+        "IoU": iou(p["id"].mean > 0.5, data.test_y > 0.5),
+        "Pixel Ratio (noise)": pixel_ratio(p["id"].variance, p["noise"].variance).mean().item(),
+        "Pixel Ratio (black)": pixel_ratio(p["id"].variance, p["black"].variance).mean().item(),
+        "Box Ratio (noise)": box_ratio(p["noise"].variance, data.noise_box).mean().item(),
+        "Box Ratio (black)": box_ratio(p["black"].variance, data.black_box).mean().item(),
+        "Entropy AUROC (H&E)": auroc(
+            per_image_entropy(p["id"].entropy), per_image_entropy(p["he"].entropy)
+        ),
+    }
+    return results, p
+
+
 def run_demo(config: DemoConfig | None = None) -> int:
     """Train, fit the posteriors, evaluate, and write the figure and the tables.
 
@@ -259,26 +355,13 @@ def _run(cfg: DemoConfig) -> int:
         f"seed {cfg.seed}, {cfg.epochs} epochs, U-Net widths {'-'.join(map(str, cfg.widths))}"
     )
 
-    splits = nuclei_patches(64, 32, dtype=torch.float32)
-    far_ood = histology_patches(splits)
-    x_tr, y_tr, x_val, y_val = splits.train_x, splits.train_y, splits.val_x, splits.val_y
-    x_te, y_te = splits.test_x, splits.test_y
-    if cfg.quick:
-        x_tr, y_tr, x_val, y_val = x_tr[:8], y_tr[:8], x_val[:2], y_val[:2]
-        x_te, y_te, far_ood = x_te[:2], y_te[:2], far_ood[:2]
-    to = lambda t: t.to(device)  # noqa: E731
-    x_tr, y_tr, x_val, y_val, x_te, y_te, far_ood = map(
-        to, (x_tr, y_tr, x_val, y_val, x_te, y_te, far_ood)
-    )
+    data = load_data(cfg, device)
+    x_tr, y_tr, x_val, y_val = data.train_x, data.train_y, data.val_x, data.val_y
+    x_te, y_te, far_ood = data.test_x, data.test_y, data.far_ood
     print(
         f"Nuclei patches 64×64: {len(x_tr)} train, {len(x_val)} val, {len(x_te)} test "
         f"(disjoint row bands); {len(far_ood)} H&E patches as far OOD."
     )
-    gen = torch.Generator().manual_seed(cfg.seed + 1000)
-    x_noise, box_noise = noise_box(x_te.cpu(), generator=gen)
-    black = splits.normalise(torch.tensor(0.0)).item()
-    x_black, box_black = black_box(x_te.cpu(), black, generator=gen)
-    x_noise, box_noise, x_black, box_black = map(to, (x_noise, box_noise, x_black, box_black))
 
     def unet(dropout: float = 0.0) -> UNet:
         return UNet(1, 1, widths=cfg.widths, dropout=dropout).to(device, torch.float32)
@@ -289,35 +372,43 @@ def _run(cfg: DemoConfig) -> int:
 
     t0 = time.perf_counter()
     nets: dict[str, nn.Module] = {}
-    nets["ssn"] = _train("SSN", ssn(), _ssn_objective, x_tr, y_tr, cfg, cfg.seed)
-    nets["unet"] = _train("U-Net", unet(), _bce, x_tr, y_tr, cfg, cfg.seed + 1)
-    nets["ssn_do"] = _train(
-        "SSN + dropout", ssn(cfg.dropout), _ssn_objective, x_tr, y_tr, cfg, cfg.seed + 2
+    nets["ssn"] = train("SSN", ssn(), ssn_objective, x_tr, y_tr, cfg, cfg.seed)
+    nets["unet"] = train("U-Net", unet(), bce_objective, x_tr, y_tr, cfg, cfg.seed + 1)
+    nets["ssn_do"] = train(
+        "SSN + dropout", ssn(cfg.dropout), ssn_objective, x_tr, y_tr, cfg, cfg.seed + 2
     )
-    nets["unet_do"] = _train(
-        "U-Net + dropout", unet(cfg.dropout), _bce, x_tr, y_tr, cfg, cfg.seed + 3
+    nets["unet_do"] = train(
+        "U-Net + dropout", unet(cfg.dropout), bce_objective, x_tr, y_tr, cfg, cfg.seed + 3
     )
     members = [nets["unet"]]
     for k in range(1, cfg.ensemble):
         torch.manual_seed(cfg.seed + 10 + k)
         members.append(
-            _train(f"ensemble {k + 1}", unet(), _bce, x_tr, y_tr, cfg, cfg.seed + 10 + k)
+            train(f"ensemble {k + 1}", unet(), bce_objective, x_tr, y_tr, cfg, cfg.seed + 10 + k)
         )
     t_train = time.perf_counter() - t0
     print(f"Trained {4 + max(cfg.ensemble - 1, 0)} networks in {t_train:.0f} s.")
 
     t0 = time.perf_counter()
-    train, val = _loader(x_tr, y_tr, cfg.batch_size), _loader(x_val, y_val, cfg.batch_size)
-    la_lsn = fit_lsn(nets["ssn"], train)
-    prior_lsn = _tune(la_lsn, val, cfg)
-    la_unet = _laplace_unet(nets["unet"], train)
-    prior_unet = _tune(la_unet, val, cfg)
+    train_loader = _loader(x_tr, y_tr, cfg.batch_size)
+    val_loader = _loader(x_val, y_val, cfg.batch_size)
+    la_lsn = fit_lsn(
+        nets["ssn"],
+        train_loader,
+        estimator=cfg.estimator,
+        mc_samples=cfg.mc_samples,
+        seed=cfg.seed,
+    )
+    prior_lsn = tune_prior(la_lsn, val_loader, cfg)
+    la_unet = _laplace_unet(nets["unet"], train_loader, cfg)
+    prior_unet = tune_prior(la_unet, val_loader, cfg)
     n_mean = sum(p.numel() for p in nets["ssn"].backbone.parameters()) + sum(
         p.numel() for p in nets["ssn"].mean_head.parameters()
     )
     n_ssn = sum(p.numel() for p in nets["ssn"].parameters())
     print(
-        f"Laplace posteriors (diagonal backprop) in {time.perf_counter() - t0:.0f} s: LSN over "
+        f"Laplace posteriors (GGN diagonal: {_estimator_name(cfg)}) in "
+        f"{time.perf_counter() - t0:.0f} s: LSN over "
         f"{la_lsn.n_params} of the SSN's {n_ssn} parameters (backbone + mean head: {n_mean}), "
         f"prior precision {prior_lsn:g}; U-Net + LA over {la_unet.n_params}, "
         f"prior precision {prior_unet:g} (validation NLL grid search)."
@@ -336,31 +427,20 @@ def _run(cfg: DemoConfig) -> int:
     t0 = time.perf_counter()
     results: dict[str, dict[str, float]] = {}
     preds: dict[str, dict[str, SegmentationPrediction]] = {}
-    inputs = {"id": x_te, "noise": x_noise, "black": x_black, "he": far_ood}
     for name in tqdm(predictors, desc="evaluate", disable=not cfg.progress, leave=False):
         torch.manual_seed(cfg.seed + 7)
-        p = {k: predictors[name](v) for k, v in inputs.items()}
-        preds[name] = p
-        results[name] = {
-            "IoU": iou(p["id"].mean > 0.5, y_te > 0.5),
-            "Pixel Ratio (noise)": pixel_ratio(p["id"].variance, p["noise"].variance).mean().item(),
-            "Pixel Ratio (black)": pixel_ratio(p["id"].variance, p["black"].variance).mean().item(),
-            "Box Ratio (noise)": box_ratio(p["noise"].variance, box_noise).mean().item(),
-            "Box Ratio (black)": box_ratio(p["black"].variance, box_black).mean().item(),
-            "Entropy AUROC (H&E)": auroc(
-                per_image_entropy(p["id"].entropy), per_image_entropy(p["he"].entropy)
-            ),
-        }
+        results[name], preds[name] = measure(predictors[name], data)
     t_eval = time.perf_counter() - t0
 
-    area = box_noise.float().flatten(1).mean(1).mean().item()
-    area_black = box_black.float().flatten(1).mean(1).mean().item()
+    area = data.noise_box.float().flatten(1).mean(1).mean().item()
+    area_black = data.black_box.float().flatten(1).mean(1).mean().item()
     notes = [
         f"Nuclei test band, {len(x_te)} patches of 64×64 (one noise box and one black box each; "
         f"the boxes cover {area:.3f} / {area_black:.3f} of a patch on average, the Box Ratio of "
         "variance spread evenly); far OOD: "
         f"{len(far_ood)} H&E patches. Epistemic variance from {n_e} samples "
-        f"(Ensemble: {cfg.ensemble} members); seed {cfg.seed}, {cfg.epochs} epochs.",
+        f"(Ensemble: {cfg.ensemble} members); seed {cfg.seed}, {cfg.epochs} epochs; "
+        f"Laplace GGN diagonal: {_estimator_name(cfg)}.",
     ]
     table = _write_tables(out, results, notes)
 
@@ -370,8 +450,8 @@ def _run(cfg: DemoConfig) -> int:
     j = int(far_ood.flatten(1).std(1).argmax())
     rows_x = {
         "ID": x_te[i : i + 1],
-        "noise box": x_noise[i : i + 1],
-        "black box": x_black[i : i + 1],
+        "noise box": data.noise_x[i : i + 1],
+        "black box": data.black_x[i : i + 1],
         "H&E (far OOD)": far_ood[j : j + 1],
     }
     masks = dict.fromkeys(rows_x, y_te[i, 0]) | {"H&E (far OOD)": None}

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.data import DataLoader
 
+from lsn_ext.estimators import Estimator
 from lsn_ext.laplace_ext import DiagBackprop, SegmentationPrediction, _entropy, predict
 from lsn_ext.models.ssn import SSN, SSNOutput
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy
@@ -72,6 +73,9 @@ def fit_lsn(
     pos_weight: float = 1.0,
     prior_precision: float = 1.0,
     progress_bar: bool = False,
+    estimator: Estimator = "db",
+    mc_samples: int = 1,
+    seed: int | None = None,
 ) -> BaseLaplace:
     """Fit the LSN posterior: a diagonal Laplace approximation over backbone + mean head.
 
@@ -89,6 +93,10 @@ def fit_lsn(
         pos_weight: Foreground weight of the binary loss (as used to train the SSN).
         prior_precision: Initial prior precision.
         progress_bar: Show laplace-torch's progress bar.
+        estimator: The GGN-diagonal estimator (:func:`lsn_ext.ggn_diagonal`): ``"db"`` (the
+            paper's diagonal backprop), ``"db_calibrated"`` or ``"mc"``.
+        mc_samples: Monte-Carlo vectors per image for ``"mc"`` and ``"db_calibrated"``.
+        seed: Seed of the Monte-Carlo vectors (``None``: torch's global generator).
 
     Returns:
         The fitted laplace-torch object; ``la.model`` is the :class:`MeanNetwork`.
@@ -100,7 +108,12 @@ def fit_lsn(
         subset_of_weights="all",
         hessian_structure="diag",
         backend=DiagBackprop,
-        backend_kwargs={"loss": loss},
+        backend_kwargs={
+            "loss": loss,
+            "estimator": estimator,
+            "mc_samples": mc_samples,
+            "seed": seed,
+        },
         prior_precision=prior_precision,
     )
     la.fit(train_loader, progress_bar=progress_bar)

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lsn_ext import diag_backprop
+from lsn_ext import diag_backprop, ggn_diagonal
 from lsn_ext.data import synthetic_lesions
 from lsn_ext.lsn import (
     MeanNetwork,
@@ -82,6 +82,22 @@ def test_lsn_end_to_end_on_synthetic_lesions(trained):
     other = SSN.with_unet(1, widths=(4, 6), rank=3)
     with pytest.raises(ValueError, match="MeanNetwork"):
         predict_lsn(la, other, x[:1])
+
+
+@pytest.mark.parametrize("estimator", ["mc", "db_calibrated"])
+def test_lsn_with_another_estimator(trained, estimator):
+    ssn, x, y = trained
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    la = fit_lsn(ssn, loader, estimator=estimator, mc_samples=3, seed=4)
+    assert la.n_params == n_params(ssn.backbone, ssn.mean_head)
+    g = torch.Generator().manual_seed(4)
+    H = sum(
+        ggn_diagonal(
+            MeanNetwork(ssn), xb, yb, "bce", estimator=estimator, mc_samples=3, generator=g
+        ).vector
+        for xb, yb in loader
+    )
+    torch.testing.assert_close(la.H, H)
 
 
 def test_total_variance_at_a_point_posterior_is_the_aleatoric_variance(trained):
