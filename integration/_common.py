@@ -2,6 +2,9 @@
 
 import os
 import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -19,3 +22,20 @@ def machine() -> str:
         f"torch {torch.__version__}, torch threads {torch.get_num_threads()} (interop "
         f"{torch.get_num_interop_threads()})."
     )
+
+
+def report(title: str, body: Callable[[], str], quick: bool, results: Path) -> None:
+    """Print ``title``, the machine line and ``body()`` with the total time; save unless quick."""
+    t0 = time.perf_counter()
+    sections = [
+        title + (" (--quick)" if quick else ""),
+        machine(),
+        body(),
+        f"Total benchmark time: {time.perf_counter() - t0:.0f} s.",
+    ]
+    text = "\n\n".join(sections) + "\n"
+    print("\n" + text)
+    if not quick:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(text)
+        print(f"written to {results}")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import machine
+from _common import report
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
@@ -230,19 +230,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
     args = parser.parse_args(argv)
     torch.set_num_threads(THREADS)
-    t0 = time.perf_counter()
-    sections = [
-        "## Linearised predictive variance benchmark" + (" (--quick)" if args.quick else ""),
-        machine(),
-        run(args.quick),
-        f"Total benchmark time: {time.perf_counter() - t0:.0f} s.",
-    ]
-    text = "\n\n".join(sections) + "\n"
-    print("\n" + text)
-    if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(text)
-        print(f"written to {RESULTS}")
+    report(
+        "## Linearised predictive variance benchmark", lambda: run(args.quick), args.quick, RESULTS
+    )
 
 
 if __name__ == "__main__":

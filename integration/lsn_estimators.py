@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -34,11 +35,12 @@ from _common import machine
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
-from lsn_ext import BCEWithLogits, DiagBackprop, predict
+from lsn_ext import predict
 from lsn_ext.demo import (
     COLUMNS,
     DemoConfig,
     bce_objective,
+    laplace_unet,
     load_data,
     measure,
     ssn_objective,
@@ -57,24 +59,6 @@ ESTIMATORS = {
 }
 EXTRA = ("prior precision", "share of H > prior", "tr H / tr H_DB", "fit (s)")
 FORMATS = {"fit (s)": ".2f", "tr H / tr H_DB": ".2f", "share of H > prior": ".4f"}
-
-
-def _laplace_unet(net: UNet, loader: DataLoader, estimator: str, k: int, seed: int) -> Laplace:
-    la = Laplace(
-        net,
-        "classification",
-        subset_of_weights="all",
-        hessian_structure="diag",
-        backend=DiagBackprop,
-        backend_kwargs={
-            "loss": BCEWithLogits(),
-            "estimator": estimator,
-            "mc_samples": k,
-            "seed": seed,
-        },
-    )
-    la.fit(loader)
-    return la
 
 
 def tune_marglik(la: Laplace) -> float:
@@ -117,7 +101,9 @@ def run_seed(seed: int, cfg: DemoConfig) -> dict[tuple[str, str, str], dict[str,
             "LSN": lambda e=estimator, k=k: fit_lsn(
                 ssn, train_loader, estimator=e, mc_samples=k, seed=seed
             ),
-            "U-Net + LA": lambda e=estimator, k=k: _laplace_unet(unet, train_loader, e, k, seed),
+            "U-Net + LA": lambda e=estimator, k=k: laplace_unet(
+                unet, train_loader, replace(cfg, estimator=e, mc_samples=k)
+            ),
         }
         for model, fit in fits.items():
             t0 = time.perf_counter()

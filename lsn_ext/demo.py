@@ -60,6 +60,7 @@ __all__ = [
     "DemoConfig",
     "DemoData",
     "bce_objective",
+    "laplace_unet",
     "load_data",
     "measure",
     "run_demo",
@@ -163,7 +164,8 @@ def _loader(x: Tensor, y: Tensor, batch_size: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
 
 
-def _laplace_unet(net: UNet, train: DataLoader, cfg: DemoConfig):
+def laplace_unet(net: UNet, train: DataLoader, cfg: DemoConfig) -> Laplace:
+    """U-Net + LA: a diagonal Laplace posterior of a binary U-Net with ``cfg``'s estimator."""
     la = Laplace(
         net,
         "classification",
@@ -400,7 +402,7 @@ def _run(cfg: DemoConfig) -> int:
         seed=cfg.seed,
     )
     prior_lsn = tune_prior(la_lsn, val_loader, cfg)
-    la_unet = _laplace_unet(nets["unet"], train_loader, cfg)
+    la_unet = laplace_unet(nets["unet"], train_loader, cfg)
     prior_unet = tune_prior(la_unet, val_loader, cfg)
     n_mean = sum(p.numel() for p in nets["ssn"].backbone.parameters()) + sum(
         p.numel() for p in nets["ssn"].mean_head.parameters()
