@@ -240,6 +240,7 @@ def ood(quick: bool) -> str:
         subset_of_weights="all",
         hessian_structure="diag",
         backend=lsn_ext.DiagBackprop,
+        backend_kwargs={"estimator": "db"},
     )
     t0 = time.perf_counter()
     la.fit(DataLoader(TensorDataset(x_tr, y_tr), batch_size=200))

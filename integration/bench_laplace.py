@@ -56,7 +56,7 @@ def fit_vs_epoch(n_images: int, size: int, batch: int) -> str:
             subset_of_weights="all",
             hessian_structure="diag",
             backend=DiagBackprop,
-            backend_kwargs={"loss": "bce"},
+            backend_kwargs={"loss": "bce", "estimator": "db"},
         )
         la.fit(loader)
 

@@ -76,7 +76,7 @@ def main() -> None:
         subset_of_weights="all",
         hessian_structure="diag",
         backend=lsn_ext.DiagBackprop,
-        backend_kwargs={"loss": "bce"},
+        backend_kwargs={"loss": "bce", "estimator": "db"},
     )
     la.fit(loader)
     expected = sum(sx.diag_backprop_nnj(model, xb, yb, "bce").vector for xb, yb in loader)

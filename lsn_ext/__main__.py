@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--estimator",
         choices=("db", "db_calibrated", "mc"),
-        default="db",
-        help="GGN-diagonal estimator of the Laplace posteriors (default: db, the paper's)",
+        default="mc",
+        help="GGN-diagonal estimator of the Laplace posteriors (default: mc; db is the paper's)",
     )
     demo.add_argument("--mc-samples", type=int, default=1, help="Monte-Carlo vectors per image")
     demo.add_argument("--quick", action="store_true", help="tiny run (seconds), for tests")

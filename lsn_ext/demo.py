@@ -121,7 +121,7 @@ class DemoConfig:
     batch_size: int = 32
     progress: bool = True
     threads: int | None = 1
-    estimator: Estimator = "db"
+    estimator: Estimator = "mc"
     mc_samples: int = 1
 
 

@@ -44,7 +44,10 @@ __all__ = [
 
 
 class DiagBackprop(GGNInterface):
-    """laplace-torch backend computing the GGN diagonal by diagonal backpropagation.
+    """laplace-torch backend for segmentation networks: GGN diagonals linear in the pixels.
+
+    The curvature comes from the native engine, by unbiased Monte Carlo (default) or by
+    diagonal backpropagation (``estimator="db"``, the LSN paper's method), see ``estimator``.
 
     Use it with ``hessian_structure="diag"`` and ``subset_of_weights="all"`` (or a subnetwork
     Laplace, whose indices it honours). ``H`` is ``Σ_batches`` of :func:`lsn_ext.ggn_diagonal`
@@ -65,10 +68,12 @@ class DiagBackprop(GGNInterface):
             :class:`~lsn_ext.Loss`. Pass it as ``backend_kwargs={"loss": ...}``.
         ce_first_step: ``"exact"`` (default) or ``"diag"``, see :func:`lsn_ext.diag_backprop`.
         estimator: How each batch's GGN diagonal is estimated (:func:`lsn_ext.ggn_diagonal`):
-            ``"db"`` (default: diagonal backprop, the LSN paper's method; deterministic, one
-            backward pass, underestimates the lower layers of trained networks),
+            ``"mc"`` (default: unbiased Monte Carlo, about 2× a training step; its noise
+            averages out over the batches of a fit), ``"db"`` (diagonal backprop, the LSN
+            paper's method: deterministic, one backward pass, but 10–10⁶× too small below the
+            last layers of trained networks, which breaks marginal-likelihood prior tuning) or
             ``"db_calibrated"`` (DB rescaled per parameter tensor to Monte-Carlo traces, per
-            batch) or ``"mc"`` (unbiased Monte Carlo, noisy).
+            batch).
         mc_samples: Monte-Carlo vectors per sample for ``"mc"`` and ``"db_calibrated"``.
         shrinkage: Weight of the Monte-Carlo estimate in ``"db_calibrated"``, in ``[0, 1]``.
         seed: Seed of the backend's own random generator for the Monte-Carlo vectors, so that
@@ -89,7 +94,7 @@ class DiagBackprop(GGNInterface):
         dict_key_y: str = "labels",
         loss: str | Loss | nn.Module | None = None,
         ce_first_step: Literal["exact", "diag"] = "exact",
-        estimator: Estimator = "db",
+        estimator: Estimator = "mc",
         mc_samples: int = 1,
         shrinkage: float = 0.0,
         seed: int | None = None,

@@ -73,7 +73,7 @@ def fit_lsn(
     pos_weight: float = 1.0,
     prior_precision: float = 1.0,
     progress_bar: bool = False,
-    estimator: Estimator = "db",
+    estimator: Estimator = "mc",
     mc_samples: int = 1,
     seed: int | None = None,
 ) -> BaseLaplace:
@@ -93,8 +93,9 @@ def fit_lsn(
         pos_weight: Foreground weight of the binary loss (as used to train the SSN).
         prior_precision: Initial prior precision.
         progress_bar: Show laplace-torch's progress bar.
-        estimator: The GGN-diagonal estimator (:func:`lsn_ext.ggn_diagonal`): ``"db"`` (the
-            paper's diagonal backprop), ``"db_calibrated"`` or ``"mc"``.
+        estimator: The GGN-diagonal estimator (:func:`lsn_ext.ggn_diagonal`): ``"mc"``
+            (default, unbiased Monte Carlo), ``"db"`` (the paper's diagonal backprop) or
+            ``"db_calibrated"``.
         mc_samples: Monte-Carlo vectors per image for ``"mc"`` and ``"db_calibrated"``.
         seed: Seed of the Monte-Carlo vectors (``None``: torch's global generator).
 

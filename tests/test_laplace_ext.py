@@ -19,6 +19,8 @@ def lesions(n=8, size=16):
 
 
 def make_laplace(model, likelihood="classification", **backend_kwargs):
+    """A DiagBackprop Laplace; diagonal backprop unless another estimator is asked for."""
+    backend_kwargs.setdefault("estimator", "db")
     return Laplace(
         model,
         likelihood,
@@ -89,6 +91,27 @@ def test_fit_with_another_estimator_sums_its_batches(options):
     assert not torch.allclose(la.H, db)
     la.fit(loader)  # the backend's generator goes on: a refit draws new vectors
     assert not torch.allclose(la.H, expected)
+
+
+def test_default_estimator_is_monte_carlo():
+    x, m = lesions(4)
+    net = UNet(3, 1, widths=(2, 3, 4))
+    loader = DataLoader(TensorDataset(x, m), batch_size=2)
+    la = Laplace(
+        net,
+        "classification",
+        subset_of_weights="all",
+        hessian_structure="diag",
+        backend=DiagBackprop,
+        backend_kwargs={"loss": "bce", "seed": 3},
+    )
+    la.fit(loader)
+    assert la.backend.estimator == "mc"
+    g = torch.Generator().manual_seed(3)
+    expected = sum(
+        ggn_diagonal(net, xb, yb, "bce", estimator="mc", generator=g).vector for xb, yb in loader
+    )
+    torch.testing.assert_close(la.H, expected, **TOL)
 
 
 def test_single_linear_layer_matches_laplace_torch_exact_backend():
@@ -209,7 +232,8 @@ def test_subnetwork_laplace_uses_the_indices():
     idx = torch.arange(n - 40, n)
     la = Laplace(
         net, "classification", subset_of_weights="subnetwork", hessian_structure="diag",
-        backend=DiagBackprop, backend_kwargs={"loss": "bce"}, subnetwork_indices=idx,
+        backend=DiagBackprop, backend_kwargs={"loss": "bce", "estimator": "db"},
+        subnetwork_indices=idx,
     )  # fmt: skip
     la.fit(loader)
     torch.testing.assert_close(la.H, engine_sum(net, loader, "bce")[1][idx], **TOL)

@@ -54,7 +54,7 @@ def test_lsn_end_to_end_on_synthetic_lesions(trained):
     ssn, x, y = trained
     before = {n: p.clone() for n, p in ssn.named_parameters()}
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
-    la = fit_lsn(ssn, loader, prior_precision=10.0)
+    la = fit_lsn(ssn, loader, prior_precision=10.0, estimator="db")
 
     # The posterior covers exactly backbone + mean head, with the DB curvature of the BCE.
     assert la.n_params == n_params(ssn.backbone, ssn.mean_head)

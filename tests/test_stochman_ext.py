@@ -382,7 +382,7 @@ def test_laplace_fit_on_nnj_unet_equals_driver():
         subset_of_weights="all",
         hessian_structure="diag",
         backend=DiagBackprop,
-        backend_kwargs={"loss": "bce"},
+        backend_kwargs={"loss": "bce", "estimator": "db"},
     )
     la.fit(loader)
     expected = sum(sx.diag_backprop_nnj(model, xb, yb, "bce").vector for xb, yb in loader)
