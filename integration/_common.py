@@ -1,5 +1,6 @@
 """Helpers shared by the benchmark scripts in this folder."""
 
+import argparse
 import os
 import platform
 import time
@@ -39,3 +40,19 @@ def report(title: str, body: Callable[[], str], quick: bool, results: Path) -> N
         results.parent.mkdir(parents=True, exist_ok=True)
         results.write_text(text)
         print(f"written to {results}")
+
+
+def quick_benchmark_main(
+    doc: str,
+    title: str,
+    run: Callable[[bool], str],
+    results: Path,
+    threads: int,
+    argv: list[str] | None = None,
+) -> None:
+    """The command line of a benchmark with only ``--quick``: parse, set threads, :func:`report`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(threads)
+    report(title, lambda: run(args.quick), args.quick, results)

@@ -21,12 +21,11 @@ The table is printed and written to ``integration/results/bench_linearized.md``.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import torch
-from _common import report
+from _common import quick_benchmark_main
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
@@ -226,12 +225,8 @@ def layer_ratios(model: nn.Module, x: Tensor, variance: Tensor) -> dict[str, tup
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(THREADS)
-    report(
-        "## Linearised predictive variance benchmark", lambda: run(args.quick), args.quick, RESULTS
+    quick_benchmark_main(
+        __doc__, "## Linearised predictive variance benchmark", run, RESULTS, THREADS, argv
     )
 
 
