@@ -51,9 +51,9 @@ class DiagBackprop(GGNInterface):
 
     Use it with ``hessian_structure="diag"`` and ``subset_of_weights="all"`` (or a subnetwork
     Laplace, whose indices it honours). ``H`` is ``Σ_batches`` of :func:`lsn_ext.ggn_diagonal`
-    (diagonal backprop unless ``estimator`` says otherwise) with laplace-torch's conventions:
-    losses summed over the data, the regression loss
-    ``½ Σ (f − y)²`` (Hessian 1, scaled by laplace-torch with ``1/σ²``).
+    (Monte Carlo unless ``estimator`` says otherwise) with laplace-torch's conventions: losses
+    summed over the data, the regression loss ``½ Σ (f − y)²`` (Hessian 1, scaled by
+    laplace-torch with ``1/σ²``).
 
     Args:
         model: The network; any ``nn.Module`` the native engine supports.
@@ -77,7 +77,9 @@ class DiagBackprop(GGNInterface):
         mc_samples: Monte-Carlo vectors per sample for ``"mc"`` and ``"db_calibrated"``.
         shrinkage: Weight of the Monte-Carlo estimate in ``"db_calibrated"``, in ``[0, 1]``.
         seed: Seed of the backend's own random generator for the Monte-Carlo vectors, so that
-            refitting gives the same curvature; ``None`` draws from torch's global generator.
+            a fit is reproducible: a new ``Laplace`` with the same seed and data gets the same
+            curvature. The generator advances from batch to batch and from one ``fit`` to the
+            next (a refit draws new vectors); ``None`` draws from torch's global generator.
 
     Raises:
         ValueError: For ``last_layer=True``, a loss that does not match the likelihood, a
