@@ -25,6 +25,7 @@ from lsn_ext.laplace_ext import (
     gridsearch_prior_precision,
     predict,
 )
+from lsn_ext.outputs import SelectOutput
 from lsn_ext.rules import get_rule, register_rule, supported_modules
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss
 from lsn_ext.vi import GaussianMixture, StructuredGaussian, VariationalPosterior
@@ -43,6 +44,7 @@ __all__ = [
     "LaplaceBridge",
     "Loss",
     "SegmentationPrediction",
+    "SelectOutput",
     "StructuredGaussian",
     "TopK",
     "VariationalPosterior",

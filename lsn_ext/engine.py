@@ -42,8 +42,9 @@ from torch.utils._pytree import tree_leaves
 from lsn_ext.rules import RULES, AvgPoolRule, Rule, UpsampleRule, get_rule
 from lsn_ext.rules.elementwise import scale_forward_rule, scale_rule
 from lsn_ext.rules.losses import CrossEntropy, Loss, as_loss
+from lsn_ext.rules.product import product_forward_rule, product_rule
 
-__all__ = ["DiagBackpropResult", "diag_backprop"]
+__all__ = ["DiagBackpropResult", "check_logits", "diag_backprop"]
 
 
 @dataclass
@@ -123,13 +124,7 @@ def diag_backprop(
     session = _Session(model)
     with torch.enable_grad(), session:
         logits = model(*args)
-    if not isinstance(logits, Tensor):
-        raise TypeError(
-            f"the model returned {type(logits).__name__}; diagonal backprop needs a tensor of "
-            "logits (wrap the model to return them)"
-        )
-    if not logits.requires_grad:
-        raise ValueError("the model output does not depend on any parameter that requires grad")
+    check_logits(logits)
     f = logits.detach()
     value = loss_fn.value(f, targets)
     # DB is linear in m. Squared derivatives shrink m quickly (saturated tanh: (1 − y²)² below
@@ -161,6 +156,35 @@ def diag_backprop(
             "and weights for extreme values, or compute in float64"
         )
     return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
+
+
+def check_logits(logits: Any) -> None:
+    """Raise a clear error unless the model returned one tensor of logits that needs grad.
+
+    Raises:
+        TypeError: A tuple, list or dict output (deep supervision, auxiliary heads), naming what
+            came back and how to wrap the model.
+        ValueError: Logits that depend on no parameter with ``requires_grad``.
+    """
+    if not isinstance(logits, Tensor):
+        if isinstance(logits, (tuple, list)):
+            what = f"a {type(logits).__name__} of {len(logits)} outputs"
+            pick = "0"
+        elif isinstance(logits, dict):
+            what = f"a dict with keys {sorted(map(str, logits))}"
+            pick = "'<key>'"
+        else:
+            what = type(logits).__name__
+            pick = "<key>"
+        raise TypeError(
+            f"the model returned {what}; the curvature needs one tensor of logits [N, C, *]. "
+            "Deep supervision or auxiliary heads return several: switch them off "
+            "(deep_supervision=False) or wrap the model so that it returns the full-resolution "
+            f"logits, lsn_ext.SelectOutput(model, {pick}), and use the wrapper everywhere "
+            "(Laplace(...), predict)"
+        )
+    if not logits.requires_grad:
+        raise ValueError("the model output does not depend on any parameter that requires grad")
 
 
 def _select_params(
@@ -281,6 +305,35 @@ class _ScaleFunction(torch.autograd.Function):
             return scale_forward_rule(v_in, c, shape)
 
 
+class _ProductFunction(torch.autograd.Function):
+    """``y = compute()`` with ``y = a ⊙ b``, both factors in the graph.
+
+    Backward is :func:`~lsn_ext.rules.product.product_rule`.
+    """
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, compute: Callable[[], Tensor]):
+        ctx.save_for_backward(a, b)
+        ctx.save_for_forward(a, b)
+        ctx.set_materialize_grads(False)  # absent tangents (zero variance) arrive as None
+        return compute()
+
+    @staticmethod
+    def backward(ctx, m_out: Tensor | None):
+        if m_out is None:
+            return None, None, None
+        a, b = ctx.saved_tensors
+        m_a, m_b = product_rule(m_out, a, b)
+        return m_a, m_b, None
+
+    @staticmethod
+    def jvp(ctx, v_a: Tensor | None, v_b: Tensor | None, _compute_tangent: None):
+        """Forward-mode session: ``v_y = b² v_a + a² v_b`` (:func:`product_forward_rule`)."""
+        a, b = ctx.saved_tensors
+        with torch.no_grad():
+            return product_forward_rule(v_a, v_b, a, b)
+
+
 class _Session(TorchFunctionMode):
     """State of one DB forward pass: installs and removes everything on ``model``."""
 
@@ -291,7 +344,8 @@ class _Session(TorchFunctionMode):
         self.forward_mode = forward_mode
         self._paths: dict[int, str] | None = None
         self.counter = itertools.count()
-        self.last: tuple[int, Tensor, Rule] | None = None
+        self.last: _Call | None = None
+        self.last_output: Tensor | None = None
         self.block: tuple[int, Tensor] | None = None
         self._handles: list[Any] = []
         self._patched: list[tuple[nn.Module, Any]] = []
@@ -412,21 +466,27 @@ class _Session(TorchFunctionMode):
         """Run ``run(x)`` as one DB node with ``rule``."""
         call = _Call(self, module, rule, run, next(self.counter), param_names)
         y = _RuleFunction.apply(call, x, *params)
-        self.last = (call.index, y, rule)
+        self.last, self.last_output = call, y
         return y
 
     def head_index(self, logits: Tensor) -> int:
         """Index of the rule call that produced ``logits``, which must support the block step."""
-        if self.last is not None and self.last[1] is logits and self.last[2].has_block_rule():
-            return self.last[0]
+        last = self.last if self.last_output is logits else None
+        if last is not None and last.rule.has_block_rule():
+            return last.index
         origin = type(logits.grad_fn).__name__ if logits.grad_fn is not None else "no operation"
-        if self.last is not None and self.last[1] is logits:
-            origin = type(self.last[2]).__name__
+        if last is not None:
+            origin = (
+                self.describe(last.module)
+                if self.path(last.module) != "?"
+                else f"a functional {type(last.module).__name__.lower()} in forward"
+            )
         raise ValueError(
             "the exact cross-entropy first step needs the logits to be the direct output of a "
             f"Linear or convolution module, but they come from {origin}. Make the head the last "
             "operation of forward, or pass ce_first_step='diag' (starts from diag(H), which "
-            "overestimates the curvature)"
+            "overestimates the curvature), or use the Monte-Carlo estimator (estimator='mc'), "
+            "which needs neither"
         )
 
     def take_block(self, index: int) -> Tensor | None:
@@ -461,8 +521,10 @@ class _Session(TorchFunctionMode):
             "operations (cat, stack, slicing, reshapes, pad, add, sum, relu, max pooling, "
             "nearest interpolation), scaling by constants (c * x, x / c, -x, a - b, mean), "
             f"the functional activations {sorted(_ACTIVATIONS)}, F.avg_pool*d and "
-            "F.interpolate. Use a supported module, or put the operation in a module of your "
-            "own and register a rule for it with lsn_ext.register_rule."
+            "F.interpolate, and products of two branches (a * b). Use a supported module, put "
+            "the operation in a module of your own and register a rule for it with "
+            "lsn_ext.register_rule, or use the Monte-Carlo estimator (estimator='mc' in "
+            "lsn_ext.ggn_diagonal and DiagBackprop, their default), which needs no rules."
         )
 
 
@@ -587,10 +649,18 @@ def _scale(session: _Session, x: Tensor, c: Tensor | float, compute: Callable[[]
     return _ScaleFunction.apply(x, c.detach() if isinstance(c, Tensor) else c, compute)
 
 
+def _grad_tensor(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.requires_grad
+
+
 def _mul(session: _Session, func, args, kwargs) -> Tensor:
+    a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
+    if _grad_tensor(a) and _grad_tensor(b):
+        if _inplace(func.__name__):
+            raise session.unsupported(func.__name__, "Write y = a * b instead of a *= b.")
+        return _ProductFunction.apply(a, b, lambda: func(*args, **kwargs))
     if _inplace(func.__name__):
         raise session.unsupported(func.__name__, "Write x = x * c instead of scaling in place.")
-    a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
     if isinstance(a, Tensor) and a.requires_grad:
         x, c = a, b
     else:

@@ -56,7 +56,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
-from lsn_ext.engine import DiagBackpropResult, _select_params, diag_backprop
+from lsn_ext.engine import DiagBackpropResult, _select_params, check_logits, diag_backprop
 from lsn_ext.rules import RULES, Rule
 from lsn_ext.rules.losses import Loss, as_loss
 
@@ -153,14 +153,20 @@ class _Bare(nn.Module):
         return self.m.forward(x)
 
 
+# Modules that torch refuses to run on a batch of one in some shapes although they treat samples
+# independently (GroupNorm over one value per group: "Expected more than 1 value per channel").
+# Their per-sample replay runs the sample next to a copy of itself with a zero cotangent.
+_PAIRED_REPLAY: tuple[type[nn.Module], ...] = (nn.GroupNorm,)
+
+
 class _Owner:
     """A leaf module owning parameters to estimate: calls, per-sample gradients, the result."""
 
     def __init__(self, module: nn.Module, path: str, names: dict[str, str]):
         self.module, self.path, self.names = module, path, names  # own name → model name
         self.bare = _Bare(module)
+        self.paired = isinstance(module, _PAIRED_REPLAY)
         self.calls = 0
-        self.pending = 0
         self.partial: dict[str, Tensor] | None = None
         self.total: dict[str, Tensor] = {}
 
@@ -169,30 +175,61 @@ class _Owner:
         params = {f"m.{n}": getattr(self.module, n).detach() for n in self.names}
 
         def one(x_n: Tensor, g_n: Tensor) -> dict[str, Tensor]:
-            def f(p: dict[str, Tensor]) -> Tensor:
-                return functional_call(self.bare, p, (x_n.unsqueeze(0),))
+            x_n, g_n = x_n.unsqueeze(0), g_n.unsqueeze(0)
+            if self.paired:
+                x_n, g_n = torch.cat([x_n, x_n]), torch.cat([g_n, torch.zeros_like(g_n)])
 
-            return vjp(f, params)[1](g_n.unsqueeze(0))[0]
+            def f(p: dict[str, Tensor]) -> Tensor:
+                return functional_call(self.bare, p, (x_n,))
+
+            return vjp(f, params)[1](g_n)[0]
 
         return {k[2:]: v for k, v in vmap(one)(x, g).items()}
 
     def add(self, grads: dict[str, Tensor]) -> None:
-        """Sum a call's per-sample gradients; square them once every call has reported."""
+        """Sum a call's per-sample gradients into this draw's."""
         if self.partial is None:
             self.partial = grads
         else:
             self.partial = {k: v + grads[k] for k, v in self.partial.items()}
-        self.pending -= 1
-        if self.pending == 0:
-            self.flush()
 
-    def flush(self) -> None:
-        """Square and add the per-sample gradients summed over this draw's calls."""
+    def flush(self, total_grads: dict[str, Tensor | None], floor: float) -> None:
+        """Check this draw's per-sample gradients against autograd's, then square and add them.
+
+        ``total_grads`` maps the model's parameter names to ``Σ_n J_nᵀ s_n`` from one ordinary
+        backward pass. A parameter that autograd reaches must have been captured, and its
+        per-sample gradients must sum to autograd's (to round-off relative to the larger of
+        their magnitude): a capture that did not fire, or fired for some of the
+        module's calls only, would otherwise give a silently wrong, too small estimate.
+        ``floor`` is the largest gradient entry of the model in this draw: round-off in a
+        tensor whose gradient is structurally zero is relative to it.
+        """
+        for own, name in self.names.items():
+            expected = total_grads[name]
+            if expected is None:
+                continue
+            if self.partial is None:
+                self._lost(name, "none arrived")
+            got = self.partial[own]
+            scale = max(float(got.abs().sum(0).max()), float(expected.abs().max()))
+            err = float((got.sum(0) - expected).abs().max())
+            eps = torch.finfo(expected.dtype).eps
+            if not err <= max(1e3 * eps, 1e-9) * scale + 1e3 * eps * floor:
+                self._lost(name, f"they sum to a different gradient ({err:.3g} off at {scale:.3g})")
         if self.partial is not None:
             for k, v in self.partial.items():
                 sq = v.square().sum(0)
                 self.total[k] = self.total[k] + sq if k in self.total else sq
             self.partial = None
+
+    def _lost(self, name: str, what: str) -> None:
+        raise RuntimeError(
+            f"the Monte-Carlo estimator lost the per-sample gradients of '{name}' in "
+            f"'{self.path}' ({type(self.module).__name__}): {what}, although the parameter "
+            "reaches the output. Something after the module bypasses the output it returned "
+            "(an in-place operation on it?). Write that operation out of place, or use "
+            "estimator='db'"
+        )
 
 
 def _monte_carlo(
@@ -208,6 +245,12 @@ def _monte_carlo(
     """The Monte-Carlo GGN diagonal (see the module documentation).
 
     ``noise`` (``[S, *logits.shape]``) replaces the Rademacher vectors ``z``, for tests.
+
+    Each call of an owning module taps its output with a tensor hook that receives ``g``, the
+    gradient at the output. A view (InstanceNorm returns one) loses its hooks when an in-place
+    operation follows (``LeakyReLU(inplace=True)``), so such an output is replaced by a copy
+    that carries the hook. Every draw is checked: the per-sample gradients of each parameter
+    must sum to the gradient of an ordinary backward pass.
     """
     names, chosen = _select_params(model, params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
@@ -222,7 +265,7 @@ def _monte_carlo(
             raise ValueError(f"'{_path(model, module)}' ({type(module).__name__}): {err}") from None
 
     def capture(owner: _Owner):
-        def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
             if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
                 raise NotImplementedError(
                     f"'{owner.path}' ({type(module).__name__}) was called with {len(args)} "
@@ -237,9 +280,11 @@ def _monte_carlo(
                     f"({state['batch']}): per-sample gradients need the samples along dim 0"
                 )
             if not out.requires_grad:
-                return
+                return None
+            tapped = out.clone() if out._is_view() else out
             owner.calls += 1
-            out.register_hook(lambda g: owner.add(owner.sample_grads(x, g)))
+            tapped.register_hook(lambda g: owner.add(owner.sample_grads(x, g)))
+            return tapped if tapped is not out else None
 
         return hook
 
@@ -255,8 +300,7 @@ def _monte_carlo(
     finally:
         for handle in handles:
             handle.remove()
-    if not isinstance(logits, Tensor) or not logits.requires_grad:
-        raise ValueError("the model must return a tensor of logits that depends on parameters")
+    check_logits(logits)
     f = logits.detach()
     value = loss_fn.value(f, targets)
     if noise is None:
@@ -264,15 +308,15 @@ def _monte_carlo(
         noise = torch.randint(0, 2, shape, generator=generator, device=f.device).to(f.dtype) * 2 - 1
     vectors = loss_fn.hessian_sqrt(f, targets, noise)
     for k in range(mc_samples):
-        for owner in owners:
-            owner.pending = owner.calls
         grads = torch.autograd.grad(
             logits, chosen, vectors[k], retain_graph=k < mc_samples - 1, allow_unused=True
         )
-        for owner in owners:
-            owner.flush()  # calls whose output did not reach the logits never report
         if k == 0:
-            _check_captured(owners, names, grads)
+            _check_called(owners, names, grads)
+        by_name = dict(zip(names, grads, strict=True))
+        floor = max((float(g.abs().max()) for g in grads if g is not None), default=0.0)
+        for owner in owners:
+            owner.flush(by_name, floor)
     diagonals = {}
     for owner in owners:
         for own, name in owner.names.items():
@@ -322,7 +366,7 @@ def _owners(model: nn.Module, names: list[str], chosen: list[Tensor]) -> list[_O
     return owners
 
 
-def _check_captured(owners: list[_Owner], names: list[str], grads: Sequence[Tensor | None]):
+def _check_called(owners: list[_Owner], names: list[str], grads: Sequence[Tensor | None]):
     """A parameter with a gradient must have been seen through its module's forward."""
     called = {name for o in owners if o.calls for name in o.names.values()}
     for name, g in zip(names, grads, strict=True):

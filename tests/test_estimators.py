@@ -146,6 +146,132 @@ def test_mc_is_unbiased_over_seeds(name):
     assert (mean.sum() - exact.sum()).abs() <= 5 * draws.sum(1).std() / draws.shape[0] ** 0.5
 
 
+def _norm_inplace():
+    """The reported reproducer: an affine InstanceNorm (whose output is a view) then in place."""
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.InstanceNorm2d(4, affine=True),
+        nn.LeakyReLU(0.1, inplace=True),
+        nn.Conv2d(4, 1, 3, padding=1),
+    )
+
+
+class _ResidualInplace(nn.Module):
+    """GroupNorm output changed by ``+=`` and an in-place activation (residual blocks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.act = nn.LeakyReLU(0.01, inplace=True)
+        self.skip = nn.Conv2d(2, 4, 1)
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        out = self.norm(self.conv(x))
+        out += self.skip(x)
+        return self.head(self.act(out))
+
+
+IN_PLACE = {
+    "instancenorm-leakyrelu-inplace-bce": (_norm_inplace, (3, 1, 4, 4), BCEWithLogits()),
+    "groupnorm-residual-iadd-ce": (_ResidualInplace, (2, 2, 4, 4), CrossEntropy()),
+}
+
+
+@pytest.mark.parametrize("name", IN_PLACE)
+def test_mc_is_unbiased_with_in_place_ops_after_norm_views(name):
+    """Every norm parameter gets its curvature (it read exactly 0 before), unbiased over seeds."""
+    build, in_shape, loss = IN_PLACE[name]
+    model = build().double().eval()
+    x = torch.randn(in_shape)
+    y = _targets(loss, model(x).shape)
+    exact = exact_ggn_diagonal(model, x, y, loss)
+    top = max(float(e.abs().max()) for e in exact.values())
+    draws = {k: [] for k in exact}
+    for s in range(300):
+        res = lsn_ext.ggn_diagonal(
+            model, x, y, loss, estimator="mc", generator=torch.Generator().manual_seed(s)
+        )
+        for k, d in res.diagonals.items():
+            draws[k].append(d)
+    for k, want in exact.items():
+        d = torch.stack(draws[k])
+        mean, se = d.mean(0), d.std(0) / d.shape[0] ** 0.5
+        assert ((mean - want).abs() <= 5 * se + 1e-12 * top).all(), k
+        if want.sum() > 1e-8 * top:
+            assert mean.sum() > 0, f"{k}: exact curvature {want.sum():.3g}, estimate 0"
+    for k in ("1.weight", "1.bias") if "instancenorm" in name else ("norm.weight", "norm.bias"):
+        assert exact[k].sum() > 1e-3
+
+
+def test_mc_equals_dense_reference_after_in_place_ops():
+    model = _ResidualInplace().eval()
+    x = torch.randn(2, 2, 4, 4)
+    y = _targets(CrossEntropy(), model(x).shape)
+    noise = torch.randn(2, 2, 2, 4, 4)
+    got = _monte_carlo(model, x, y, CrossEntropy(), 2, None, None, noise).diagonals
+    want = _dense_mc(model, x, y, CrossEntropy(), noise)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-9)
+
+
+@pytest.mark.parametrize("fault", ["hook-never-fires", "wrong-per-sample-gradients"])
+def test_mc_refuses_to_return_a_lost_capture(fault, monkeypatch):
+    """If per-sample gradients go missing, the estimator raises instead of returning zeros."""
+    if fault == "hook-never-fires":
+        monkeypatch.setattr(lsn_ext.estimators._Owner, "add", lambda self, grads: None)
+        match = r"lost the per-sample gradients of '0.weight' in '0' \(Conv2d\): none arrived"
+    else:
+        real = lsn_ext.estimators._Owner.sample_grads
+
+        def halved(self, x, g):
+            return {k: v / 2 for k, v in real(self, x, g).items()}
+
+        monkeypatch.setattr(lsn_ext.estimators._Owner, "sample_grads", halved)
+        match = "lost the per-sample gradients of '0.weight'.*sum to a different gradient"
+    model = _norm_inplace().eval()
+    x = torch.randn(2, 1, 4, 4)
+    with pytest.raises(RuntimeError, match=match):
+        lsn_ext.ggn_diagonal(model, x, torch.rand(2, 1, 4, 4).round(), "bce", estimator="mc")
+
+
+def test_mc_handles_group_norm_on_a_one_by_one_map():
+    """Eval-mode GroupNorm over one value per group: the per-sample replay must not fail."""
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3), nn.GroupNorm(4, 4), nn.Tanh(), nn.Flatten(), nn.Linear(4, 3)
+    ).eval()
+    x = torch.randn(3, 2, 3, 3)
+    y = torch.randint(0, 3, (3,))
+    noise = torch.randn(2, 3, 3)
+    got = _monte_carlo(model, x, y, CrossEntropy(), 2, None, None, noise).diagonals
+    # Reference: the batch's Jacobian (torch refuses this GroupNorm on one sample alone).
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    jac = jacrev(lambda p: functional_call(model, p, (x,)))(params)  # [N, 3, *shape]
+    vectors = CrossEntropy().hessian_sqrt(model(x).detach(), y, noise)  # [S, N, 3]
+    for k, j in jac.items():
+        g = torch.einsum("snc,nc...->sn...", vectors, j)
+        torch.testing.assert_close(got[k], g.square().sum((0, 1)) / 2, atol=1e-12, rtol=1e-9)
+    assert got["1.bias"].sum() > 0
+
+
+class _TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(1, 2, 1)
+        self.b = nn.Conv2d(1, 2, 1)
+
+    def forward(self, x):
+        return [self.a(x), self.b(x)]
+
+
+@pytest.mark.parametrize("estimator", lsn_ext.ESTIMATORS)
+def test_list_output_gets_a_clear_error(estimator):
+    x = torch.randn(2, 1, 3, 3)
+    with pytest.raises(TypeError, match=r"returned a list of 2 outputs.*deep_supervision=False"):
+        lsn_ext.ggn_diagonal(_TwoOutputs(), x, torch.zeros(2, 3, 3).long(), estimator=estimator)
+
+
 def test_db_estimator_is_diag_backprop():
     model = tiny_unet(3)
     x, y = torch.randn(2, 2, 4, 4), torch.randint(0, 3, (2, 4, 4))
