@@ -134,7 +134,7 @@ def diag_backprop(
     h_diag = loss_fn.hessian_diag(f, targets).contiguous() * scale
     if isinstance(loss_fn, CrossEntropy) and ce_first_step == "exact":
         block = loss_fn.hessian_block(f, targets) * scale
-        session.block = (session.head_index(logits), block)
+        session.block = (session.head_indices(logits), block)
     try:
         grads = torch.autograd.grad(logits, chosen, grad_outputs=h_diag, allow_unused=True)
     except RuntimeError as err:
@@ -233,6 +233,11 @@ class _RuleFunction(torch.autograd.Function):
         y = call.run(x)
         if y is x:
             ctx.mark_dirty(x)
+        elif y._is_view():
+            # InstanceNorm returns a view; autograd forbids in-place changes of a custom
+            # Function's view outputs (an in-place activation follows in MONAI and nnU-Net).
+            # A detached alias shares storage and version counter but is no view.
+            y = y.detach()
         ctx.call = call
         ctx.save_for_backward(x_in if rule.needs_input else None, y if rule.needs_output else None)
         ctx.like = ((x.shape, x.dtype), (y.shape, y.dtype))
@@ -344,9 +349,7 @@ class _Session(TorchFunctionMode):
         self.forward_mode = forward_mode
         self._paths: dict[int, str] | None = None
         self.counter = itertools.count()
-        self.last: _Call | None = None
-        self.last_output: Tensor | None = None
-        self.block: tuple[int, Tensor] | None = None
+        self.block: tuple[set[int], Tensor] | None = None
         self._handles: list[Any] = []
         self._patched: list[tuple[nn.Module, Any]] = []
 
@@ -465,34 +468,55 @@ class _Session(TorchFunctionMode):
     ) -> Tensor:
         """Run ``run(x)`` as one DB node with ``rule``."""
         call = _Call(self, module, rule, run, next(self.counter), param_names)
-        y = _RuleFunction.apply(call, x, *params)
-        self.last, self.last_output = call, y
-        return y
+        return _RuleFunction.apply(call, x, *params)
 
-    def head_index(self, logits: Tensor) -> int:
-        """Index of the rule call that produced ``logits``, which must support the block step."""
-        last = self.last if self.last_output is logits else None
-        if last is not None and last.rule.has_block_rule():
-            return last.index
-        origin = type(logits.grad_fn).__name__ if logits.grad_fn is not None else "no operation"
-        if last is not None:
-            origin = (
-                self.describe(last.module)
-                if self.path(last.module) != "?"
-                else f"a functional {type(last.module).__name__.lower()} in forward"
-            )
-        raise ValueError(
-            "the exact cross-entropy first step needs the logits to be the direct output of a "
-            f"Linear or convolution module, but they come from {origin}. Make the head the last "
-            "operation of forward, or pass ce_first_step='diag' (starts from diag(H), which "
-            "overestimates the curvature), or use the Monte-Carlo estimator (estimator='mc'), "
-            "which needs neither"
-        )
+    def head_indices(self, logits: Tensor) -> set[int]:
+        """Indices of the rule calls whose outputs sum to ``logits``; each must have a block rule.
+
+        The logits are the output of a Linear or convolution head, or a sum of such outputs
+        (MONAI's residual units end in ``conv(x) + residual(x)``). Each head then gets the
+        per-position block of the loss Hessian; the cross terms between summed heads are
+        dropped, as DB drops them at every fan-out.
+
+        Raises:
+            ValueError: If anything else produced the logits, naming it.
+        """
+        found: set[int] = set()
+        nodes = [logits.grad_fn]
+        while nodes:
+            node = nodes.pop()
+            call = getattr(node, "call", None)
+            if isinstance(call, _Call) and call.rule.has_block_rule():
+                found.add(call.index)
+            elif node is not None and type(node).__name__ == "AddBackward0":
+                nodes.extend(n for n, _ in node.next_functions if n is not None)
+            else:
+                raise ValueError(
+                    "the exact cross-entropy first step needs the logits to be the output of a "
+                    "Linear or convolution module (or a sum of such outputs), but they come from "
+                    f"{self._origin(node)}. Make the head the last operation of forward, pass "
+                    "ce_first_step='diag' (starts from diag(H), which overestimates the "
+                    "curvature), or use the Monte-Carlo estimator (estimator='mc'), which needs "
+                    "neither"
+                )
+        return found
+
+    def _origin(self, node: Any) -> str:
+        """What produced a node of the graph, for error messages."""
+        if node is None:
+            return "no operation"
+        call = getattr(node, "call", None)
+        if not isinstance(call, _Call):
+            return type(node).__name__
+        if self.path(call.module) != "?":
+            return self.describe(call.module)
+        return f"a functional {type(call.module).__name__.lower()} in forward"
 
     def take_block(self, index: int) -> Tensor | None:
-        if self.block is not None and self.block[0] == index:
-            block, self.block = self.block[1], None
-            return block
+        """The loss Hessian's block for the head call ``index`` (see :meth:`head_indices`)."""
+        if self.block is not None and index in self.block[0]:
+            self.block[0].discard(index)
+            return self.block[1]
         return None
 
     # -- functional operations ------------------------------------------------------------------

@@ -111,3 +111,111 @@ def classifier() -> GraphNet:
         ("out", "fc", ("v",)),
     ]
     return GraphNet(layers, nodes, "out")
+
+
+# -- networks that share modules or parameters (lsn_ext._functional) --------------------------
+
+
+class PlainNet(nn.Module):
+    """Conv → batch norm (eval statistics) → tanh → 1×1 conv: two logit channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Conv2d(4, 2, 1)
+        self.bn.running_mean.normal_()
+        self.bn.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bn(self.stem(x))))
+
+
+class AliasNet(PlainNet):
+    """:class:`PlainNet` whose stem and batch norm are also registered under a second name.
+
+    ``forward`` uses the second names, ``named_parameters()`` reports the first ones (as in
+    MONAI's ``DynUNet`` and the nnU-Net networks of ``dynamic_network_architectures``).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.stem_alias = self.stem
+        self.bn_alias = self.bn
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.bn_alias(self.stem_alias(x))))
+
+
+class TiedNet(nn.Module):
+    """Two 3×3 convolutions holding the same weight ``Parameter`` (own biases)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 4, 3, padding=1)
+        self.mid = nn.Conv2d(4, 4, 3, padding=1)
+        self.mid2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.mid2.weight = self.mid.weight
+        self.head = nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        h = torch.tanh(self.mid(h))
+        return self.head(torch.tanh(self.mid2(h)))
+
+
+def tiny_dynunet() -> nn.Module:
+    """MONAI ``DynUNet``, 2-D, 3 levels (4/8/16 filters), instance norm, 2 classes."""
+    from monai.networks.nets import DynUNet
+
+    return DynUNet(
+        spatial_dims=2,
+        in_channels=1,
+        out_channels=2,
+        kernel_size=[3, 3, 3],
+        strides=[1, 2, 2],
+        upsample_kernel_size=[2, 2],
+        filters=[4, 8, 16],
+    )
+
+
+def tiny_plain_conv_unet() -> nn.Module:
+    """nnU-Net's ``PlainConvUNet``, 2-D, 3 stages (4/8/16), affine instance norm, 2 classes."""
+    from dynamic_network_architectures.architectures.unet import PlainConvUNet
+
+    return PlainConvUNet(
+        input_channels=1,
+        n_stages=3,
+        features_per_stage=[4, 8, 16],
+        conv_op=nn.Conv2d,
+        kernel_sizes=3,
+        strides=[1, 2, 2],
+        n_conv_per_stage=1,
+        num_classes=2,
+        n_conv_per_stage_decoder=1,
+        conv_bias=True,
+        norm_op=nn.InstanceNorm2d,
+        norm_op_kwargs={"affine": True, "eps": 1e-5},
+        nonlin=nn.LeakyReLU,
+        nonlin_kwargs={"inplace": True},
+    )
+
+
+SHARING_NETS: dict[str, Callable[[], nn.Module]] = {
+    "plain": PlainNet,
+    "alias": AliasNet,
+    "tied": TiedNet,
+    "dynunet": tiny_dynunet,
+    "plainconvunet": tiny_plain_conv_unet,
+}
+"""Builders of two-class ``[N, 1, 16, 16] → [N, 2, 16, 16]`` networks, by readable id."""
+
+
+def perturb_norms(model: nn.Module) -> nn.Module:
+    """Random affine parameters for every norm layer (their defaults 1 and 0 hide mistakes)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._NormBase) and m.affine:
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0, 0.1)
+    return model

@@ -156,6 +156,37 @@ def test_residual_sum_scale_and_batchnorm_eval(first_step):
     assert_matches_engine(got, net, x, y, loss, ce_first_step=first_step)
 
 
+# conv → norm → activation → conv, through BackPACK (lookup by exact class in RULES).
+NORM_NETS = {
+    "instancenorm-affine-leakyrelu": lambda: (nn.InstanceNorm2d(4, affine=True), nn.LeakyReLU()),
+    "instancenorm-running-stats-tanh": lambda: (
+        nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+        nn.Tanh(),
+    ),
+    "groupnorm-prelu": lambda: (nn.GroupNorm(2, 4), nn.PReLU(4)),
+    "layernorm-chw-prelu": lambda: (nn.LayerNorm([4, 6, 6]), nn.PReLU()),
+}
+
+
+@pytest.mark.parametrize("route", ["extend", "convert"])
+@pytest.mark.parametrize("make", NORM_NETS.values(), ids=NORM_NETS.keys())
+def test_norm_layers_and_prelu(make, route):
+    norm, act = make()
+    net = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), norm, act, nn.Conv2d(4, 3, 1)).eval()
+    with torch.no_grad():
+        for m in (norm, act):
+            for p in m.parameters():
+                p.uniform_(0.5, 1.5)
+        if getattr(norm, "running_mean", None) is not None:
+            norm.running_mean.uniform_(-0.5, 0.5)
+            norm.running_var.uniform_(0.5, 2.0)
+    x, y = torch.randn(2, 2, 6, 6), torch.randint(0, 3, (2, 6, 6))
+    bp_net = extend(copy.deepcopy(net)) if route == "extend" else convert(net, x)
+    loss = nn.CrossEntropyLoss()
+    got = run_backpack(bp_net, x, y, loss)
+    assert_matches_engine(got, net, x, y, loss)
+
+
 class CatModel(nn.Module):
     """The model-side route: Cat modules instead of torch.cat, BackPACK's converter directly."""
 
@@ -240,15 +271,15 @@ def test_original_model_unchanged_and_usable_with_torch_func():
 
 
 def test_unsupported_module_raises_at_convert_with_its_path():
-    net = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
-    with pytest.raises(NotImplementedError, match=r"LayerNorm at '1'.*register_rule"):
+    net = nn.Sequential(nn.Linear(4, 3), nn.RMSNorm(3), nn.Linear(3, 2))
+    with pytest.raises(NotImplementedError, match=r"RMSNorm at '1'.*register_rule"):
         convert(net)
 
 
 def test_unsupported_module_raises_in_backward():
-    net = extend(nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2)))
+    net = extend(nn.Sequential(nn.Linear(4, 3), nn.RMSNorm(3), nn.Linear(3, 2)))
     x, y = torch.randn(5, 4), torch.randint(0, 2, (5,))
-    with pytest.raises(NotImplementedError, match=r"LayerNorm.*Supported modules: torch.nn.Linear"):
+    with pytest.raises(NotImplementedError, match=r"RMSNorm.*Supported modules: torch.nn.Linear"):
         run_backpack(net, x, y, nn.CrossEntropyLoss())
 
 

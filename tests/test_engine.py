@@ -332,10 +332,10 @@ class ScaledConv(nn.Conv2d):
 
 
 ERRORS = {
-    "layernorm-module": (
-        lambda: nn.Sequential(nn.Conv2d(2, 1, 1), nn.LayerNorm([1, 4, 4])),
+    "rmsnorm-module": (
+        lambda: nn.Sequential(nn.Conv2d(2, 1, 1), nn.RMSNorm([1, 4, 4])),
         NotImplementedError,
-        r"no rule for torch.nn.LayerNorm at '1'.*"
+        r"no rule for torch.nn.RMSNorm at '1'.*"
         r"Supported modules: torch.nn.Linear, torch.nn.Conv1d",
     ),
     "subclass-hint": (
@@ -369,6 +369,14 @@ ERRORS = {
         ValueError,
         r"'1' \(BatchNorm2d\).*batch statistics.*model.eval\(\)",
     ),
+    "instancenorm-train-running-stats": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 1, 1), nn.InstanceNorm2d(1, track_running_stats=True)
+        ).train(),
+        ValueError,
+        r"'1' \(InstanceNorm2d\).*track_running_stats=True and is in training mode.*"
+        r"model.eval\(\)",
+    ),
 }
 
 
@@ -390,7 +398,7 @@ def test_unsupported_models_raise_clear_errors(case):
 def test_exact_ce_needs_head_as_last_operation(mode, origin):
     net = nn.Sequential(nn.Conv2d(2, 3, 1), nn.Upsample(scale_factor=2, mode=mode))
     x, y = torch.randn(1, 2, 4, 4), torch.randint(0, 3, (1, 8, 8))
-    with pytest.raises(ValueError, match=rf"direct output of a Linear.*{origin}.*'diag'"):
+    with pytest.raises(ValueError, match=rf"output of a Linear.*{origin}.*'diag'"):
         diag_backprop(net, x, y, "ce")
     assert diag_backprop(net, x, y, "ce", ce_first_step="diag").vector.min() >= 0
 
@@ -530,3 +538,96 @@ def test_inplace_change_of_a_needed_output_is_reported_clearly():
 
     with pytest.raises(RuntimeError, match="in-place operation in forward modified"):
         diag_backprop(Net(), torch.randn(1, 2, 4, 4), torch.ones(1, 1, 4, 4), "bce")
+
+
+# -- normalisation layers (MONAI, nnU-Net) --------------------------------------------------------
+
+# conv → norm → activation → conv; each entry builds (norm, activation).
+NORM_NETS = {
+    "instancenorm-affine-leakyrelu": lambda: (nn.InstanceNorm2d(4, affine=True), nn.LeakyReLU()),
+    # InstanceNorm's output is a view, then changed in place (MONAI, nnU-Net).
+    "instancenorm-affine-leakyrelu-inplace": lambda: (
+        nn.InstanceNorm2d(4, affine=True),
+        nn.LeakyReLU(0.1, inplace=True),
+    ),
+    "instancenorm-running-stats-tanh": lambda: (
+        nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+        nn.Tanh(),
+    ),
+    "groupnorm-prelu": lambda: (nn.GroupNorm(2, 4), nn.PReLU(4)),
+    "groupnorm-1-group-prelu-1": lambda: (nn.GroupNorm(1, 4), nn.PReLU()),
+    "layernorm-chw-prelu": lambda: (nn.LayerNorm([4, 6, 6]), nn.PReLU(4)),
+}
+
+
+def randomise_norm_and_act(*modules: nn.Module) -> None:
+    """Random affine parameters, running statistics and slopes (defaults 1, 0 hide mistakes)."""
+    with torch.no_grad():
+        for m in modules:
+            for name, p in m.named_parameters():
+                if name == "weight":
+                    p.uniform_(0.5, 1.5)
+                else:
+                    p.normal_(0, 0.3)
+            if getattr(m, "running_mean", None) is not None:
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+
+
+def norm_net(make) -> tuple[nn.Sequential, GraphNet]:
+    """The model (as users write it) and its dense-reference twin sharing every parameter.
+
+    The twin's activation is a copy working out of place (the references evaluate it on
+    tensors they keep).
+    """
+    norm, act = make()
+    randomise_norm_and_act(norm, act)
+    c1, c2 = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 3, 3, padding=1)
+    net = nn.Sequential(c1, norm, act, c2).eval()
+    act_ref = copy.copy(act)
+    if getattr(act, "inplace", False):
+        act_ref.inplace = False
+    nodes = [("h", "c1", ("x",)), ("n", "norm", ("h",)), ("a", "act", ("n",))]
+    nodes.append(("out", "c2", ("a",)))
+    graph = GraphNet({"c1": c1, "norm": norm, "act": act_ref, "c2": c2}, nodes, "out")
+    return net, graph
+
+
+@pytest.mark.parametrize("make", NORM_NETS.values(), ids=NORM_NETS.keys())
+def test_norm_networks_match_dense_layerwise_reference(make):
+    net, graph = norm_net(make)
+    x, y = torch.randn(2, 2, 6, 6), torch.randint(0, 3, (2, 6, 6))
+    f = graph(x).detach()
+    res = diag_backprop(net, x, y, "ce")
+    torch.testing.assert_close(res.logits, f, rtol=0, atol=0)
+    loss = CrossEntropy()
+    expected = dense_db(graph, x, loss.hessian_diag(f, y), loss.hessian_block(f, y))
+    for k_graph, k_net in zip(expected, res.diagonals, strict=True):
+        assert expected[k_graph].abs().max() > 0, k_graph
+        torch.testing.assert_close(res.diagonals[k_net], expected[k_graph], **TOL, msg=k_net)
+
+
+SINGLE_NORMS = {
+    "instancenorm-affine": lambda: nn.InstanceNorm2d(3, affine=True),
+    "groupnorm": lambda: nn.GroupNorm(3, 3),
+    "layernorm-chw": lambda: nn.LayerNorm([3, 5, 5]),
+}
+
+
+@pytest.mark.parametrize("make", SINGLE_NORMS.values(), ids=SINGLE_NORMS.keys())
+def test_db_exact_for_a_last_norm_layer_and_approximate_below(make):
+    # conv → norm → PReLU → tanh, BCE: the norm's parameters are followed only by elementwise
+    # maps, so DB is exact for them (and for PReLU's slopes); the norm's Jacobian couples the
+    # entries of each group, so the conv below is approximate.
+    net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), make(), nn.PReLU(3), nn.Tanh())
+    randomise_norm_and_act(net[1], net[2])
+    x = torch.randn(2, 2, 5, 5)
+    f = net(x).detach()
+    y = (torch.rand_like(f) > 0.5).double()
+    res = diag_backprop(net, x, y, "bce")
+    exact = dense_ggn_diag(
+        net, x, lambda g: F.binary_cross_entropy_with_logits(g, y, reduction="sum")
+    )
+    for k in ("1.weight", "1.bias", "2.weight"):
+        torch.testing.assert_close(res.diagonals[k], exact[k], **TOL, msg=k)
+    assert not torch.allclose(res.diagonals["0.weight"], exact["0.weight"], rtol=1e-3)

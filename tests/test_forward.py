@@ -14,10 +14,13 @@ from tests.reference import dense_forward, exact_linearized_variance
 from tests.test_engine import (
     ERRORS,
     FUNCTIONAL,
+    NORM_NETS,
     REFUSED,
     PlainUNet,
     assert_unchanged,
     eval_mode,
+    norm_net,
+    randomise_norm_and_act,
     snapshot,
 )
 
@@ -101,6 +104,24 @@ def test_module_called_twice_sums_both_uses():
     check_against_dense(net, torch.randn(2, 2, 6, 6), random_variance(net))
 
 
+@pytest.mark.parametrize("make", NORM_NETS.values(), ids=NORM_NETS.keys())
+def test_norm_networks_match_dense_forward_reference(make):
+    net, graph = norm_net(make)
+    x = torch.randn(2, 2, 6, 6)
+    var = random_variance(net)
+    mean, v = linearized_variance(net, x, var)
+    torch.testing.assert_close(mean, graph(x).detach(), rtol=0, atol=0)
+    graph_var = dict(zip((n for n, _ in graph.named_parameters()), var.values(), strict=True))
+    torch.testing.assert_close(v, dense_forward(graph, x, graph_var), **TOL)
+    assert (v >= 0).all()
+
+
+def _norm_prelu(norm: nn.Module) -> nn.Sequential:
+    net = nn.Sequential(norm, nn.PReLU(2), nn.Tanh())
+    randomise_norm_and_act(net[0], net[1])
+    return net
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -108,8 +129,19 @@ def test_module_called_twice_sums_both_uses():
         lambda: nn.Conv2d(2, 2, 3, padding=1, padding_mode="circular"),
         lambda: nn.Sequential(nn.Flatten(), nn.Linear(32, 3)),
         lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Sigmoid()),
+        lambda: _norm_prelu(nn.InstanceNorm2d(2, affine=True)),
+        lambda: _norm_prelu(nn.GroupNorm(1, 2)),
+        lambda: _norm_prelu(nn.LayerNorm([2, 4, 4])),
     ],
-    ids=["conv", "conv-circular", "linear", "conv-elementwise-tail"],
+    ids=[
+        "conv",
+        "conv-circular",
+        "linear",
+        "conv-elementwise-tail",
+        "instancenorm-prelu-tanh",
+        "groupnorm-prelu-tanh",
+        "layernorm-prelu-tanh",
+    ],
 )
 def test_exact_for_a_single_parametric_layer(make):
     net = make()

@@ -23,6 +23,7 @@ from lsn_ext.rules.elementwise import (
     ELURule,
     GELURule,
     LeakyReLURule,
+    PReLURule,
     ReLURule,
     SigmoidRule,
     SiLURule,
@@ -30,7 +31,7 @@ from lsn_ext.rules.elementwise import (
     TanhRule,
 )
 from lsn_ext.rules.linear import LinearRule
-from lsn_ext.rules.norm import BatchNormRule
+from lsn_ext.rules.norm import BatchNormRule, GroupNormRule, InstanceNormRule, LayerNormRule
 from lsn_ext.rules.pooling import AvgPoolRule
 from lsn_ext.rules.structural import DropoutRule, StructuralRule
 from lsn_ext.rules.upsample import UpsampleRule
@@ -44,8 +45,12 @@ __all__ = [
     "ELURule",
     "ElementwiseRule",
     "GELURule",
+    "GroupNormRule",
+    "InstanceNormRule",
+    "LayerNormRule",
     "LeakyReLURule",
     "LinearRule",
+    "PReLURule",
     "ReLURule",
     "Rule",
     "SiLURule",
@@ -94,6 +99,12 @@ RULES: dict[type[nn.Module], Rule] = {
     nn.BatchNorm1d: BatchNormRule(),
     nn.BatchNorm2d: BatchNormRule(),
     nn.BatchNorm3d: BatchNormRule(),
+    nn.InstanceNorm1d: InstanceNormRule(),
+    nn.InstanceNorm2d: InstanceNormRule(),
+    nn.InstanceNorm3d: InstanceNormRule(),
+    nn.GroupNorm: GroupNormRule(),
+    nn.LayerNorm: LayerNormRule(),
+    nn.PReLU: PReLURule(),
 }
 
 
@@ -165,6 +176,8 @@ def get_rule(module: nn.Module, path: str = "") -> Rule:
         else:
             hint = " Write a lsn_ext.rules.Rule for it and call lsn_ext.register_rule."
         raise NotImplementedError(
-            f"Diagonal backprop has no rule for {_name(cls)}{where}.{hint} "
+            f"Diagonal backprop has no rule for {_name(cls)}{where}.{hint} Or use the "
+            "Monte-Carlo estimator (estimator='mc' in lsn_ext.ggn_diagonal and DiagBackprop, "
+            "their default), which needs no rules. "
             f"Supported modules: {', '.join(_name(c) for c in RULES)}."
         ) from None

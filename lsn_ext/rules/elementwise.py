@@ -11,13 +11,14 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from lsn_ext.rules.base import Rule
+from lsn_ext.rules.base import Rule, _total
 
 __all__ = [
     "ELURule",
     "ElementwiseRule",
     "GELURule",
     "LeakyReLURule",
+    "PReLURule",
     "ReLURule",
     "SiLURule",
     "SigmoidRule",
@@ -95,6 +96,56 @@ class LeakyReLURule(ElementwiseRule):
 
     def derivative(self, module: nn.LeakyReLU, x: Tensor, y: Tensor) -> Tensor:
         return torch.where(x > 0, 1.0, module.negative_slope).to(x.dtype)
+
+
+class PReLURule(ElementwiseRule):
+    """Exact rule for ``PReLU``: ``y = x`` for ``x > 0``, else ``a · x``, ``x`` ``[N, C, *]``.
+
+    The slope ``a`` is one number or one per channel (dim 1, ``num_parameters = C``). With
+    ``φ'(x) = 1`` for ``x > 0``, else ``a``, and ``x⁻ = x · 1[x < 0]``:
+
+    - input: ``m_in = φ'(x)² · m``;
+    - weight ``a``: ``Σ m · (x⁻)²`` over every entry it scales (all entries, or ``[N, *]`` per
+      channel), shape ``[num_parameters]``;
+    - forward (linearised variance): ``v_out = φ'(x)² · v_in + (x⁻)² · σ²_a``.
+    """
+
+    @staticmethod
+    def _slope(a: Tensor, x: Tensor) -> Tensor:
+        """``a`` (or its variance) broadcastable against ``x``: a scalar, or ``[1, C, 1, …]``."""
+        a = a.detach()
+        if a.numel() == 1:
+            return a.reshape(())
+        return a.reshape((1, -1) + (1,) * (x.dim() - 2))
+
+    def derivative(self, module: nn.PReLU, x: Tensor, y: Tensor) -> Tensor:
+        return torch.where(
+            x > 0, torch.ones((), dtype=x.dtype, device=x.device), self._slope(module.weight, x)
+        )
+
+    def param_rule(
+        self, module: nn.PReLU, x: Tensor, y: Tensor, m_out: Tensor
+    ) -> dict[str, Tensor]:
+        d = m_out * x.detach().clamp(max=0).square()
+        d = d.sum() if module.weight.numel() == 1 else d.sum([0, *range(2, x.dim())])
+        return {"weight": d.reshape(module.weight.shape)}
+
+    def forward_rule(
+        self,
+        module: nn.PReLU,
+        x: Tensor,
+        y: Tensor,
+        v_in: Tensor | None,
+        param_var: Mapping[str, Tensor],
+    ) -> Tensor:
+        x = x.detach()
+        var_a = param_var.get("weight")
+        terms: list[Tensor | None] = [None, None]
+        if v_in is not None:
+            terms[0] = self.input_rule(module, x, y, v_in)
+        if var_a is not None:
+            terms[1] = x.clamp(max=0).square() * self._slope(var_a, x)
+        return _total(y, terms)
 
 
 class ELURule(ElementwiseRule):

@@ -75,3 +75,44 @@ def test_scale_rule_matches_jacrev(case):
     m = torch.rand_like(y if isinstance(y, torch.Tensor) else x)
     expected = squared_input_rule(lambda z: c * z, x, m)
     torch.testing.assert_close(scale_rule(m, c, x.shape), expected, rtol=1e-12, atol=1e-14)
+
+
+# Each case: (module builder, input shape); the slopes are randomised by ``randomise_prelu``.
+PRELU = {
+    "prelu-1-param": (lambda: nn.PReLU(), (2, 3, 4)),
+    "prelu-1-param-2d": (lambda: nn.PReLU(), (2, 3, 3, 3)),
+    "prelu-C-params-1d": (lambda: nn.PReLU(3), (2, 3, 5)),
+    "prelu-C-params-2d": (lambda: nn.PReLU(3), (2, 3, 3, 2)),
+    "prelu-C-params-no-spatial": (lambda: nn.PReLU(4), (5, 4)),
+}
+
+
+def randomise_prelu(module):
+    with torch.no_grad():
+        module.weight.uniform_(-1, 1.5)
+    return module
+
+
+def prelu_input(shape):
+    """Both signs, and exact zeros (where torch's derivative is the slope ``a``)."""
+    x = 3 * torch.randn(shape)
+    x.view(-1)[::5] = 0
+    return x
+
+
+@pytest.mark.parametrize("case", PRELU.values(), ids=PRELU.keys())
+def test_prelu_rule_matches_jacrev(case):
+    make, shape = case
+    module = randomise_prelu(make())
+    rule = get_rule(module)
+    assert not rule.is_autograd_exact(module)
+    assert_rule_matches(rule, module, prelu_input(shape))
+
+
+def test_prelu_slope_diagonal_is_the_squared_negative_part():
+    module = randomise_prelu(nn.PReLU(2))
+    x = torch.tensor([[[-2.0, 3.0], [0.5, -1.0]], [[-1.0, 0.0], [-3.0, 4.0]]])
+    m = torch.tensor([[[1.0, 2.0], [3.0, 4.0]], [[5.0, 6.0], [7.0, 8.0]]])
+    diag = get_rule(module).param_rule(module, x, module(x), m)["weight"]
+    expected = torch.tensor([1.0 * 4 + 5.0 * 1, 4.0 * 1 + 7.0 * 9])
+    torch.testing.assert_close(diag, expected, rtol=0, atol=0)

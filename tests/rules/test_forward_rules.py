@@ -197,6 +197,33 @@ def test_batchnorm_forward_refuses_batch_statistics():
         get_rule(module).forward_rule(module, x, x, torch.ones_like(x), {})
 
 
+NORMS = test_norm.NORMS
+
+
+@pytest.mark.parametrize("case", NORMS.values(), ids=NORMS.keys())
+def test_instance_group_layer_norm_forward_rule(case):
+    make, shape = case
+    module = test_norm.randomise_norm(make())
+    assert_forward_rule_matches(get_rule(module), module, test_norm.norm_input(shape))
+
+
+def test_instance_norm_forward_refuses_updating_running_statistics():
+    module = nn.InstanceNorm2d(3, track_running_stats=True).train()
+    x = torch.randn(2, 3, 2, 2)
+    with pytest.raises(ValueError, match=r"track_running_stats=True.*model\.eval\(\)"):
+        get_rule(module).forward_rule(module, x, x, torch.ones_like(x), {})
+
+
+PRELU = test_elementwise.PRELU
+
+
+@pytest.mark.parametrize("case", PRELU.values(), ids=PRELU.keys())
+def test_prelu_forward_rule(case):
+    make, shape = case
+    module = test_elementwise.randomise_prelu(make())
+    assert_forward_rule_matches(get_rule(module), module, test_elementwise.prelu_input(shape))
+
+
 def test_dropout_forward_refuses_training_mode():
     module = nn.Dropout(0.3)
     x = torch.randn(2, 3)
@@ -222,8 +249,23 @@ def test_rule_without_forward_rule_raises():
         lambda: nn.Upsample(scale_factor=2, mode="bilinear"),
         lambda: nn.Tanh(),
         lambda: test_norm.randomise(nn.BatchNorm2d(2)),
+        lambda: test_norm.randomise_norm(nn.InstanceNorm2d(2, affine=True)),
+        lambda: test_norm.randomise_norm(nn.GroupNorm(1, 2)),
+        lambda: test_norm.randomise_norm(nn.LayerNorm([4, 4])),
+        lambda: test_elementwise.randomise_prelu(nn.PReLU(2)),
     ],
-    ids=["conv-reflect", "convT", "linear", "bilinear", "tanh", "batchnorm"],
+    ids=[
+        "conv-reflect",
+        "convT",
+        "linear",
+        "bilinear",
+        "tanh",
+        "batchnorm",
+        "instancenorm",
+        "groupnorm",
+        "layernorm",
+        "prelu",
+    ],
 )
 def test_forward_rule_float32_matches_float64(make):
     module = make()
