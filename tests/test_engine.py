@@ -631,3 +631,50 @@ def test_db_exact_for_a_last_norm_layer_and_approximate_below(make):
     for k in ("1.weight", "1.bias", "2.weight"):
         torch.testing.assert_close(res.diagonals[k], exact[k], **TOL, msg=k)
     assert not torch.allclose(res.diagonals["0.weight"], exact["0.weight"], rtol=1e-3)
+
+
+class _TwoHeads(nn.Module):
+    """Logits as the sum of two convolution heads on disjoint channel halves."""
+
+    def __init__(self):
+        super().__init__()
+        self.c = nn.Conv2d(2, 4, 3, padding=1)
+        self.head_a, self.head_b = nn.Conv2d(2, 3, 1), nn.Conv2d(2, 3, 1)
+
+    def forward(self, x):
+        t = torch.tanh(self.c(x))
+        return self.head_a(t[:, :2]) + self.head_b(t[:, 2:])
+
+
+def test_exact_ce_first_step_through_summed_heads_equals_one_concatenated_head():
+    """``A t₁ + B t₂`` is one head ``[A, B]`` on ``t``: the block reaches each half exactly."""
+    two = _TwoHeads()
+    one = nn.Sequential(two.c, nn.Tanh(), nn.Conv2d(4, 3, 1))
+    with torch.no_grad():
+        one[2].weight.copy_(torch.cat([two.head_a.weight, two.head_b.weight], 1))
+        one[2].bias.copy_(two.head_a.bias + two.head_b.bias)
+    x, y = torch.randn(2, 2, 5, 5), torch.randint(0, 3, (2, 5, 5))
+    got = diag_backprop(two, x, y, "ce").diagonals
+    want = diag_backprop(one, x, y, "ce").diagonals
+    for k in ("weight", "bias"):
+        torch.testing.assert_close(got[f"c.{k}"], want[f"0.{k}"], rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["head_a.weight"], want["2.weight"][:, :2], rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["head_b.weight"], want["2.weight"][:, 2:], rtol=1e-12, atol=0)
+    torch.testing.assert_close(got["head_a.bias"], want["2.bias"], rtol=1e-12, atol=0)
+    diag_start = diag_backprop(two, x, y, "ce", ce_first_step="diag").diagonals
+    assert not torch.allclose(diag_start["c.weight"], got["c.weight"])
+
+
+def test_exact_ce_first_step_refuses_a_sum_with_a_non_head_branch():
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c, self.head = nn.Conv2d(3, 3, 1), nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            t = torch.tanh(self.c(x))
+            return self.head(t) + t
+
+    x, y = torch.randn(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4))
+    with pytest.raises(ValueError, match=r"or a sum of such outputs.*a functional tanh"):
+        diag_backprop(Residual(), x, y, "ce")
