@@ -522,8 +522,7 @@ def _logit_moments_mc(
     la: Any, x: Tensor, n_samples: int, generator: torch.Generator | None
 ) -> tuple[Tensor, Tensor]:
     """Mean and variance of the logits over posterior samples (Welford), shaped like the logits."""
-    from torch.func import functional_call
-
+    from lsn_ext._functional import functional_call_all
     from lsn_ext.laplace_ext import _trainable
 
     named = _trainable(la)
@@ -531,7 +530,7 @@ def _logit_moments_mc(
     mean = m2 = None
     for i, theta in enumerate(la.sample(n_samples, generator=generator)):
         params = {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
-        f = functional_call(la.model, params, (x,), strict=False)
+        f = functional_call_all(la.model, params, (x,))
         if mean is None:
             mean, m2 = torch.zeros_like(f), torch.zeros_like(f)
         delta = f - mean

@@ -19,8 +19,9 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad, vjp, vmap
+from torch.func import grad, vjp, vmap
 
+from lsn_ext._functional import functional_call_all
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy, Loss, as_loss
 
 __all__ = ["exact_ggn_diagonal", "flatten_diagonals", "mc_ggn_diagonal"]
@@ -121,7 +122,7 @@ def exact_ggn_diagonal(
     def f(p: dict[str, Tensor]) -> Tensor:
         # Buffers cloned inside the transform: train-mode batch norm may update them in place.
         own = {k: b.clone() for k, b in buffers.items()}
-        return functional_call(model, {**own, **p}, (inputs,))
+        return functional_call_all(model, {**own, **p}, (inputs,))
 
     logits, vjp_fn = vjp(f, params)
     logits = logits.detach()
@@ -222,12 +223,12 @@ def mc_ggn_diagonal(
     params = _trainable(model)
     buffers = _buffers(model)
     with torch.no_grad():
-        logits = functional_call(model, {**buffers, **params}, (inputs,))
+        logits = functional_call_all(model, {**buffers, **params}, (inputs,))
     s = _sample_output_gradient(loss, logits, targets, mc_samples, generator)  # [S, N, ...]
 
     def contracted(p: dict[str, Tensor], x: Tensor, s_n: Tensor) -> Tensor:
         own = {k: b.clone() for k, b in buffers.items()}
-        out = functional_call(model, {**own, **p}, (x.unsqueeze(0),))
+        out = functional_call_all(model, {**own, **p}, (x.unsqueeze(0),))
         return (out.squeeze(0) * s_n).sum()
 
     per_sample = vmap(grad(contracted), in_dims=(None, 0, 0), randomness="different")

@@ -41,8 +41,8 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
-from torch.func import functional_call
 
+from lsn_ext._functional import functional_call_all
 from lsn_ext.engine import _Session
 
 __all__ = ["linearized_variance"]
@@ -115,7 +115,7 @@ def linearized_variance(
             for n, v in variances.items()
         }
         with torch.enable_grad(), _Session(model, forward_mode=True):
-            out = functional_call(model, duals, args, strict=False)
+            out = functional_call_all(model, duals, args)
             if output_fn is not None:
                 out = output_fn(out)
         if not isinstance(out, Tensor):

@@ -30,8 +30,8 @@ import torch
 from laplace.baselaplace import BaseLaplace
 from laplace.curvature import GGNInterface
 from torch import Tensor, nn
-from torch.func import functional_call
 
+from lsn_ext._functional import functional_call_all
 from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
 
@@ -266,7 +266,8 @@ def predict(
     """Per-pixel sampling predictive of a fitted Laplace approximation.
 
     Draws ``n_samples`` parameter vectors from the posterior (``la.sample``), runs the network
-    with each (``torch.func.functional_call``: the model's own parameters are never modified),
+    with each (``torch.func.functional_call`` with every alias of a shared module or tied weight
+    substituted: the model itself is never modified),
     and accumulates the probabilities (softmax over dim 1; sigmoid for a BCE backend) in one pass
     (Welford), so memory does not grow with ``n_samples``.
 
@@ -298,7 +299,7 @@ def predict(
     mean = m2 = expected_entropy = None
     for i, theta in enumerate(samples):
         params = {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
-        f = functional_call(la.model, params, (x,), strict=False)
+        f = functional_call_all(la.model, params, (x,))
         if f.dim() < 2:
             raise ValueError(f"expected logits [N, C, *], got shape {tuple(f.shape)}")
         if link == "softmax":

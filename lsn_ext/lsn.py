@@ -18,15 +18,16 @@ Shape legend: ``N`` batch, ``K`` logit channels, ``H``/``W`` height and width.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from laplace import Laplace
 from laplace.baselaplace import BaseLaplace
 from torch import Tensor, nn
-from torch.func import functional_call
 from torch.utils.data import DataLoader
 
+from lsn_ext._functional import functional_call_all
 from lsn_ext.estimators import Estimator
 from lsn_ext.laplace_ext import DiagBackprop, SegmentationPrediction, _entropy, predict
 from lsn_ext.models.ssn import SSN, SSNOutput
@@ -41,6 +42,26 @@ __all__ = [
     "mc_dropout_predict",
     "predict_lsn",
 ]
+
+
+@contextmanager
+def _restored(*modules: nn.Module, grads: bool = False) -> Iterator[None]:
+    """Restore every submodule's ``training`` flag (and optionally each ``.grad``) on exit.
+
+    Saving one flag per submodule keeps mixed modes (e.g. an eval-mode SSN around a train-mode
+    dropout) that a single ``module.train(mode)`` on the root would flatten. ``grads=True`` also
+    puts back the ``.grad`` tensors of the parameters, which laplace-torch's ``fit`` clears with
+    ``model.zero_grad()``.
+    """
+    modes = {m: m.training for module in modules for m in module.modules()}
+    saved = {p: p.grad for module in modules for p in module.parameters()} if grads else {}
+    try:
+        yield
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+        for p, g in saved.items():
+            p.grad = g
 
 
 class MeanNetwork(nn.Module):
@@ -117,7 +138,10 @@ def fit_lsn(
         },
         prior_precision=prior_precision,
     )
-    la.fit(train_loader, progress_bar=progress_bar)
+    # laplace-torch's fit calls model.eval() and model.zero_grad() on the MeanNetwork, i.e. on
+    # the SSN's own backbone and mean head: put their modes and gradients back.
+    with _restored(ssn, grads=True):
+        la.fit(train_loader, progress_bar=progress_bar)
     return la
 
 
@@ -190,22 +214,22 @@ def mc_dropout_predict(model: nn.Module, x: Tensor, n_samples: int = 50) -> Segm
     dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
     if not any(m.p > 0 for m in dropouts):
         raise ValueError(f"{type(model).__name__} has no dropout module with p > 0")
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    for m in dropouts:
-        m.train()
-    try:
+    with _restored(model):
+        model.eval()
+        for m in dropouts:
+            m.train()
         return _sample_prediction((model(x) for _ in range(n_samples)), n_samples)
-    finally:
-        for m, mode in modes.items():
-            m.train(mode)
 
 
 @torch.no_grad()
 def ensemble_predict(models: Iterable[nn.Module], x: Tensor) -> SegmentationPrediction:
-    """Deep ensemble (Lakshminarayanan et al. 2017): one prediction per member, in eval mode."""
+    """Deep ensemble (Lakshminarayanan et al. 2017): one prediction per member, in eval mode.
+
+    The members' modes are restored afterwards.
+    """
     models = list(models)
-    return _sample_prediction((m.eval()(x) for m in models), len(models))
+    with _restored(*models):
+        return _sample_prediction((m.eval()(x) for m in models), len(models))
 
 
 @torch.no_grad()
@@ -220,12 +244,9 @@ def aleatoric_maps(
     """
     if n_samples < 2:
         raise ValueError(f"n_samples must be at least 2 to estimate a variance, got {n_samples}")
-    mode = ssn.training
-    ssn.eval()
-    try:
+    with _restored(ssn):
+        ssn.eval()
         eta = ssn.distribution(x).rsample(n_samples, antithetic=False, generator=generator)
-    finally:
-        ssn.train(mode)
     stats = _Welford()
     stats.add(_probabilities(eta, dim=2))
     return stats.mean, stats.variance
@@ -298,12 +319,9 @@ def predict_lsn(
     """
     if not isinstance(la.model, MeanNetwork) or la.model.backbone is not ssn.backbone:
         raise ValueError("la must be the posterior of MeanNetwork(ssn) for this ssn (fit_lsn)")
-    mode = ssn.training
-    ssn.eval()
-    try:
+    with _restored(ssn):
+        ssn.eval()
         return _predict_lsn(la, ssn, x, n_epistemic, n_aleatoric, seed)
-    finally:
-        ssn.train(mode)
 
 
 def _predict_lsn(
@@ -324,7 +342,7 @@ def _predict_lsn(
         params = {
             f"ssn.{n}": t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)
         }
-        mean, cov_diag, cov_factor = functional_call(view, params, (x,), strict=False)
+        mean, cov_diag, cov_factor = functional_call_all(view, params, (x,))
         eta = SSNOutput(mean, cov_diag, cov_factor).rsample(
             n_aleatoric, antithetic=False, generator=eta_gen
         )

@@ -49,8 +49,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import functional_call, vmap
+from torch.func import vmap
 
+from lsn_ext._functional import functional_call_all
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
 
 __all__ = [
@@ -569,7 +570,7 @@ class VariationalPosterior:
 
     def log_likelihood(self, theta: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """``log p(y | x, θ) = −loss(f_θ(x), y)`` (summed), for one ``θ`` ``[P]``."""
-        f = functional_call(self.model, self._params(theta), (x,), strict=False)
+        f = functional_call_all(self.model, self._params(theta), (x,))
         return -self.loss_fn.value(f, y)
 
     def batched_log_likelihood(
