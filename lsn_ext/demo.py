@@ -192,8 +192,8 @@ def _estimator_name(cfg: DemoConfig) -> str:
 def tune_prior(la: Laplace, val: DataLoader, cfg: DemoConfig) -> float:
     """Grid search of the prior precision (``10⁻²…10⁶``) by validation NLL; sets and returns it."""
     grid = [1.0, 100.0] if cfg.quick else [10.0**k for k in range(-2, 7)]
-    best, _ = gridsearch_prior_precision(la, val, grid, n_samples=2 if cfg.quick else 8)
-    return best
+    result = gridsearch_prior_precision(la, val, grid=grid, n_samples=2 if cfg.quick else 8)
+    return result.prior_precision
 
 
 def _gen(x: Tensor, seed: int) -> torch.Generator:

@@ -2,33 +2,46 @@
 
 ``Laplace(model, "classification", subset_of_weights="all", hessian_structure="diag",
 backend=DiagBackprop)`` fits a diagonal Laplace approximation whose GGN diagonal comes from
-diagonal backpropagation (:func:`lsn_ext.diag_backprop`): one backward pass per batch, linear in
-the number of pixels, for models whose logits are ``[N, C, *spatial]`` as well as ``[N, K]``.
+the native engine (:func:`lsn_ext.ggn_diagonal`: Monte Carlo by default, or diagonal
+backpropagation), linear in the number of pixels, for models whose logits are
+``[N, C, *spatial]`` as well as ``[N, K]``.
 
 Binary segmentation: laplace-torch has no Bernoulli likelihood. Ask for it explicitly through the
 backend, ``backend_kwargs={"loss": lsn_ext.BCEWithLogits(pos_weight=...)}`` (or ``"bce"``), with
 ``likelihood="classification"`` and one logit channel ``[N, 1, *]``. The loss reported to
 laplace-torch (and so its log likelihood and marginal likelihood), the curvature and
-:func:`predict` (sigmoid link) then all use the same Bernoulli model.
+:func:`predict` (sigmoid link) then all use the same Bernoulli model. laplace-torch's
+``state_dict`` does not record the backend's loss: load a BCE posterior into a ``Laplace``
+created with the same ``backend_kwargs``. :func:`predict` refuses a softmax over one logit
+channel (constant 1), which is what a BCE posterior loaded without its loss would give.
 
-laplace-torch's own predictive (``la(x)``) assumes ``[batch, outputs]``: for spatial outputs the
-backend's ``jacobians`` refuses with a pointer to :func:`predict`, so the GLM predictive and
-laplace-torch's validation grid search fail loudly instead of mixing pixels and classes.
-``la(x, pred_type="nn")`` does not go through the backend and takes the softmax over the *last*
-axis; do not use it for segmentation. :func:`predict` and :func:`gridsearch_prior_precision` are
-the per-pixel equivalents.
+laplace-torch's own predictive (``la(x)``) assumes ``[batch, outputs]`` and a softmax link: the
+backend's ``jacobians`` refuses spatial outputs and BCE models with a pointer to :func:`predict`,
+so the GLM predictive and laplace-torch's validation grid search fail loudly instead of mixing
+pixels and classes or returning 1 everywhere. ``la(x, pred_type="nn")`` does not go through the
+backend (it cannot be intercepted) and takes the softmax over the *last* axis; do not use it for
+segmentation or BCE models. :func:`predict` and :func:`gridsearch_prior_precision` are the
+per-pixel equivalents.
+
+Dense regression: laplace-torch counts only the last output axis in the Gaussian normaliser of
+its log likelihood (``n_outputs = W`` for ``[N, C, H, W]``), so the backend refuses regression
+outputs with more than two axes; flatten them in the model (``nn.Sequential(net,
+nn.Flatten())``, targets ``[N, C·H·W]``) and the normaliser counts every output.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import tqdm
 from laplace.baselaplace import BaseLaplace
-from laplace.curvature import GGNInterface
+from laplace.curvature import CurvatureInterface, GGNInterface
+from laplace.utils.utils import fix_prior_prec_structure
 from torch import Tensor, nn
 
 from lsn_ext._functional import functional_call_all
@@ -37,10 +50,103 @@ from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
 
 __all__ = [
     "DiagBackprop",
+    "GridSearchResult",
     "SegmentationPrediction",
     "gridsearch_prior_precision",
     "predict",
 ]
+
+_NORMS_WITH_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
+
+
+def _tensor_bytes(t: Tensor) -> memoryview:
+    """The raw bytes of ``t`` (on the CPU), for hashing."""
+    return memoryview(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+
+
+def _check_finite(name: str, t: Tensor) -> None:
+    """Raise a ``ValueError`` if a floating-point ``t`` holds NaN or infinite values."""
+    if (t.is_floating_point() or t.is_complex()) and not torch.isfinite(t).all():
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} holds {bad} NaN or infinite value(s); "
+            "clean or mask them before calling"
+        )
+
+
+def _check_images(x: Any, name: str = "x") -> Tensor:
+    """``x`` if it is a finite tensor ``[N, …]`` with ``N ≥ 1``; otherwise a clear error.
+
+    Raises:
+        TypeError: If ``x`` is not a tensor.
+        ValueError: If ``x`` has no batch axis, an empty batch or NaN/inf values.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a tensor [N, C_in, *spatial], got {type(x).__name__}")
+    if x.dim() < 1 or x.shape[0] == 0:
+        raise ValueError(f"{name} must be a non-empty batch [N, ...], got shape {tuple(x.shape)}")
+    _check_finite(name, x)
+    return x
+
+
+def _check_eval_norms(model: nn.Module, what: str) -> None:
+    """Refuse normalisation layers with running statistics in training mode."""
+    for path, module in model.named_modules():
+        if isinstance(module, _NORMS_WITH_STATS) and module.training and module.track_running_stats:
+            raise ValueError(
+                f"{what} needs the model in eval mode, but {path or '<root>'} "
+                f"({type(module).__name__}) is in training mode: it would normalise with the "
+                "batch's statistics (and training-mode statistics are not what the posterior was "
+                "fitted with). Call model.eval() first; lsn_ext never changes the model's mode"
+            )
+
+
+def _resolve_estimator(
+    estimator: Estimator | None,
+    mc_samples: int | None,
+    stochastic: bool | None,
+    num_samples: int | None,
+) -> tuple[str, int]:
+    """``(estimator, mc_samples)`` from lsn_ext's and laplace-torch's names, or a clear error.
+
+    laplace-torch's ``GGNInterface`` options ``stochastic``/``num_samples`` are mapped to
+    ``estimator``/``mc_samples``; contradictory combinations are refused.
+    """
+    if stochastic is not None and not isinstance(stochastic, bool):
+        raise TypeError(f"stochastic must be a bool, got {stochastic!r}")
+    if stochastic is False:
+        if estimator is None:
+            raise ValueError(
+                "stochastic=False asks laplace-torch for the exact GGN, which DiagBackprop does "
+                "not compute. For its deterministic approximation (diagonal backprop) pass "
+                "estimator='db' instead; for the exact GGN use laplace-torch's CurvlinopsGGN"
+            )
+        if estimator != "db":
+            raise ValueError(
+                f"stochastic=False contradicts estimator={estimator!r}, which draws Monte-Carlo "
+                "vectors; leave stochastic out, or use estimator='db' (deterministic)"
+            )
+    if stochastic is True and estimator == "db":
+        raise ValueError(
+            "stochastic=True contradicts estimator='db' (deterministic diagonal backprop); "
+            "use estimator='mc' or 'db_calibrated', or leave stochastic out"
+        )
+    estimator = "mc" if estimator is None else estimator
+    if num_samples is not None:
+        if mc_samples is not None and mc_samples != num_samples:
+            raise ValueError(
+                f"num_samples={num_samples!r} (laplace-torch's name) and "
+                f"mc_samples={mc_samples!r} disagree; give one of them"
+            )
+        mc_samples = num_samples
+    if estimator == "db" and mc_samples not in (None, 1):
+        raise ValueError(
+            f"estimator='db' draws no Monte-Carlo vectors, but mc_samples/num_samples="
+            f"{mc_samples!r}; use estimator='mc' or 'db_calibrated' for sampled curvature"
+        )
+    mc_samples = 1 if mc_samples is None else mc_samples
+    check_estimator(estimator, mc_samples, 0.0)
+    return estimator, mc_samples
 
 
 class DiagBackprop(GGNInterface):
@@ -55,13 +161,24 @@ class DiagBackprop(GGNInterface):
     summed over the data, the regression loss ``½ Σ (f − y)²`` (Hessian 1, scaled by
     laplace-torch with ``1/σ²``).
 
+    Reproducibility: by default (``seed=0``) the Monte-Carlo vectors of a batch are a
+    deterministic function of ``(seed, the batch's inputs and targets)`` (a hash of their bytes
+    seeds a fresh generator per batch). A refit on the same data gives the same ``H``, three
+    online fits ``fit(loader, override=False)`` give three times the ``H`` of one, and the
+    result does not depend on torch's global random state; different batches (and different
+    seeds) still get different vectors. ``seed=None`` draws from torch's global generator
+    instead (a refit then differs).
+
     Args:
-        model: The network; any ``nn.Module`` the native engine supports.
+        model: The network; any ``nn.Module`` the native engine supports, run on tensor inputs.
         likelihood: ``"classification"`` or ``"regression"`` (given by laplace-torch).
+            Regression outputs must be ``[N, K]``: see the module documentation.
         last_layer: Must be false: for last-layer Laplace the built-in backends are exact.
         subnetwork_indices: Set by laplace-torch's subnetwork Laplace.
-        dict_key_x: Unused (dictionary inputs are not supported).
-        dict_key_y: Unused.
+        dict_key_x: laplace-torch's key of the inputs in dictionary batches. Dictionary
+            batches are refused: laplace-torch passes the whole dictionary to the model, which
+            the engine cannot replay per sample; give ``(x, y)`` tensor batches.
+        dict_key_y: laplace-torch's key of the targets in dictionary batches (unused).
         loss: The likelihood's loss, summed over the data: ``"ce"`` (default for
             classification), ``"bce"`` / :class:`~lsn_ext.BCEWithLogits` for binary
             segmentation with one logit channel, ``"mse"`` (regression), or a
@@ -74,16 +191,23 @@ class DiagBackprop(GGNInterface):
             last layers of trained networks, which breaks marginal-likelihood prior tuning) or
             ``"db_calibrated"`` (DB rescaled per parameter tensor to Monte-Carlo traces, per
             batch).
-        mc_samples: Monte-Carlo vectors per sample for ``"mc"`` and ``"db_calibrated"``.
+        mc_samples: Monte-Carlo vectors per sample for ``"mc"`` and ``"db_calibrated"``
+            (default 1; ``"db"`` draws none).
         shrinkage: Weight of the Monte-Carlo estimate in ``"db_calibrated"``, in ``[0, 1]``.
-        seed: Seed of the backend's own random generator for the Monte-Carlo vectors, so that
-            a fit is reproducible: a new ``Laplace`` with the same seed and data gets the same
-            curvature. The generator advances from batch to batch and from one ``fit`` to the
-            next (a refit draws new vectors); ``None`` draws from torch's global generator.
+        seed: Seed of the per-batch Monte-Carlo vectors (see above); ``None`` uses torch's
+            global generator.
+        stochastic: laplace-torch's name (``GGNInterface``): ``True`` is a Monte-Carlo
+            curvature (``estimator="mc"`` unless ``"db_calibrated"`` is given); ``False`` asks
+            for the exact GGN, which this backend does not compute, and is refused unless
+            ``estimator="db"`` is given too. Read back, :attr:`stochastic` says whether the
+            estimator draws random vectors.
+        num_samples: laplace-torch's name for ``mc_samples``.
 
     Raises:
         ValueError: For ``last_layer=True``, a loss that does not match the likelihood, a
-            loss with ``reduction="mean"``, or an unknown estimator or bad estimator options.
+            loss with ``reduction="mean"``, an unknown estimator, bad estimator options or
+            contradictory ``stochastic``/``num_samples``/``estimator``/``mc_samples``.
+        TypeError: For a ``seed`` that is not an int or ``None``.
     """
 
     def __init__(
@@ -96,17 +220,23 @@ class DiagBackprop(GGNInterface):
         dict_key_y: str = "labels",
         loss: str | Loss | nn.Module | None = None,
         ce_first_step: Literal["exact", "diag"] = "exact",
-        estimator: Estimator = "mc",
-        mc_samples: int = 1,
+        estimator: Estimator | None = None,
+        mc_samples: int | None = None,
         shrinkage: float = 0.0,
-        seed: int | None = None,
+        seed: int | None = 0,
+        stochastic: bool | None = None,
+        num_samples: int | None = None,
     ):
         if last_layer:
             raise ValueError(
                 "DiagBackprop does not support subset_of_weights='last_layer': use 'all' (or a "
                 "subnetwork), or laplace-torch's own backends, which are exact for the last layer"
             )
-        super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y)
+        # GGNInterface.__init__ would store ``stochastic``/``num_samples``; here they are
+        # read-only views of the estimator, so initialise the base interface directly.
+        CurvatureInterface.__init__(
+            self, model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y
+        )
         if loss is None:
             loss = "mse" if likelihood == "regression" else "ce"
         self.loss_fn = as_loss(loss)
@@ -123,21 +253,104 @@ class DiagBackprop(GGNInterface):
         if ce_first_step not in ("exact", "diag"):
             raise ValueError(f"ce_first_step must be 'exact' or 'diag', got {ce_first_step!r}")
         self.ce_first_step = ce_first_step
+        estimator, mc_samples = _resolve_estimator(estimator, mc_samples, stochastic, num_samples)
         check_estimator(estimator, mc_samples, shrinkage)
         self.estimator, self.mc_samples, self.shrinkage = estimator, mc_samples, shrinkage
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
         self.seed = seed
-        self._generator: torch.Generator | None = None
+        self._checked_output = False
         self.factor = 1.0
         self.lossfunc = self.loss_fn.value
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether the estimator draws random vectors (``"mc"``, ``"db_calibrated"``)."""
+        return self.estimator != "db"
+
+    @property
+    def num_samples(self) -> int:
+        """laplace-torch's name for :attr:`mc_samples`."""
+        return self.mc_samples
+
+    def _tensor_input(self, x: Tensor | MutableMapping[str, Any]) -> Tensor:
+        if isinstance(x, MutableMapping):
+            raise TypeError(
+                f"DiagBackprop runs the model on tensors, but got a dictionary batch (keys "
+                f"{sorted(map(str, x))}; dict_key_x={self.dict_key_x!r}). laplace-torch passes "
+                "dictionaries whole to the model, which the engine cannot replay per sample: "
+                "wrap the model to take the tensor x[dict_key_x] and give (x, y) batches"
+            )
+        if not isinstance(x, Tensor):
+            raise TypeError(f"DiagBackprop takes tensor inputs, got {type(x).__name__}")
+        return x
+
+    def _batch_generator(self, x: Tensor, y: Tensor) -> torch.Generator | None:
+        """A generator seeded by ``(seed, x, y)``; ``None`` (global generator) for ``seed=None``."""
+        if self.seed is None:
+            return None
+        digest = hashlib.blake2b(str(self.seed).encode(), digest_size=8)
+        for t in (x, y):
+            digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
+            digest.update(_tensor_bytes(t))
+        batch_seed = int.from_bytes(digest.digest(), "little") & (2**63 - 1)
+        return torch.Generator(device=x.device).manual_seed(batch_seed)
+
+    def _check_output(self, x: Tensor) -> None:
+        """Once per backend: refuse outputs laplace-torch would mishandle."""
+        if self._checked_output:
+            return
+        with torch.no_grad():
+            out = self.model(x[:1])
+        if not isinstance(out, Tensor):
+            raise TypeError(
+                f"the model returns a {type(out).__name__}; DiagBackprop needs one logit tensor"
+            )
+        if self.likelihood == "regression" and out.dim() > 2:
+            raise ValueError(
+                f"dense regression outputs [N, {', '.join(map(str, out.shape[1:]))}] are not "
+                "supported through laplace-torch: it counts only the last axis "
+                f"(n_outputs={out.shape[-1]}) in the Gaussian normaliser of log_likelihood and "
+                "the marginal likelihood, which makes both (and sigma_noise tuning) wrong. "
+                "Flatten the outputs in the model, e.g. Laplace(nn.Sequential(net, "
+                "nn.Flatten()), 'regression', ...) with targets y.flatten(1), so that all "
+                "C·H·W outputs are counted; lsn_ext.predict works on the flat model too"
+            )
+        if isinstance(self.loss_fn, CrossEntropy) and out.dim() >= 2 and out.shape[1] == 1:
+            raise ValueError(
+                f"cross-entropy over one logit channel (output {tuple(out.shape)}) is constant: "
+                "for binary segmentation with one channel pass backend_kwargs={'loss': 'bce'}"
+            )
+        self._checked_output = True
 
     def diag(
         self, x: Tensor | MutableMapping[str, Any], y: Tensor, **kwargs: Any
     ) -> tuple[Tensor, Tensor]:
-        """Loss and estimated GGN diagonal on one batch, ``(scalar, [n_params])``."""
-        if not isinstance(x, Tensor):
-            raise TypeError("DiagBackprop takes tensor inputs, not dictionaries")
-        if self.seed is not None and self._generator is None:
-            self._generator = torch.Generator(x.device).manual_seed(self.seed)
+        """Loss and estimated GGN diagonal on one batch, ``(scalar, [n_params])``.
+
+        Args:
+            x: Inputs ``[B, *]``.
+            y: Targets as the loss expects.
+            **kwargs: ``N`` (the data-set size, passed by laplace-torch, unused).
+
+        Raises:
+            TypeError: For dictionary inputs, or options other than ``N`` (laplace-torch's
+                ``asdl_fisher_kwargs``, which this backend does not use).
+            ValueError: For NaN/inf inputs or targets, an empty batch, and outputs laplace-torch
+                would mishandle (dense regression, cross-entropy on one channel).
+        """
+        unknown = sorted(set(kwargs) - {"N"})
+        if unknown:
+            raise TypeError(
+                f"DiagBackprop got curvature options {unknown}: these come from "
+                "Laplace(..., asdl_fisher_kwargs=...), which only the ASDL backends use; "
+                "leave asdl_fisher_kwargs out (DiagBackprop's options go in backend_kwargs)"
+            )
+        x = _check_images(self._tensor_input(x), "the batch's inputs")
+        if not isinstance(y, Tensor):
+            raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
+        _check_finite("the batch's targets", y)
+        self._check_output(x)
         result = ggn_diagonal(
             self.model,
             x,
@@ -146,7 +359,7 @@ class DiagBackprop(GGNInterface):
             estimator=self.estimator,
             mc_samples=self.mc_samples,
             shrinkage=self.shrinkage,
-            generator=self._generator,
+            generator=self._batch_generator(x, y) if self.stochastic else None,
             ce_first_step=self.ce_first_step,
             params=self.params,
         )
@@ -154,6 +367,32 @@ class DiagBackprop(GGNInterface):
         if self.subnetwork_indices is not None:
             H = H[self.subnetwork_indices]
         return result.loss, H
+
+    def gradients(self, x: Tensor | MutableMapping[str, Any], y: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-sample gradients of the loss, ``([B, n_params], summed loss)``.
+
+        One backward pass per sample (``torch.autograd.grad``: the parameters' ``.grad`` are
+        left alone), subnetwork indices applied.
+        """
+        x = _check_images(self._tensor_input(x), "x")
+        rows, total = [], 0.0
+        for i in range(x.shape[0]):
+            with torch.enable_grad():
+                value = self.loss_fn.value(self.model(x[i : i + 1]), y[i : i + 1])
+                grads = torch.autograd.grad(value, self.params, allow_unused=True)
+            rows.append(
+                torch.cat(
+                    [
+                        (torch.zeros_like(p) if g is None else g).reshape(-1)
+                        for g, p in zip(grads, self.params, strict=True)
+                    ]
+                )
+            )
+            total = total + value.detach()
+        Gs = torch.stack(rows)
+        if self.subnetwork_indices is not None:
+            Gs = Gs[:, self.subnetwork_indices]
+        return Gs, total
 
     def full(self, *args: Any, **kwargs: Any):
         """Not available: DB computes a diagonal."""
@@ -169,11 +408,24 @@ class DiagBackprop(GGNInterface):
         )
 
     def jacobians(self, x: Tensor | MutableMapping[str, Any], enable_backprop: bool = False):
-        """laplace-torch's Jacobians for ``[N, K]`` outputs; refuses spatial outputs.
+        """laplace-torch's Jacobians for ``[N, K]`` softmax or Gaussian models; refuses others.
 
         laplace-torch's GLM predictive treats the last axis as the outputs, which mixes pixels
-        and classes for ``[N, C, H, W]`` logits. Use :func:`lsn_ext.predict` for those.
+        and classes for ``[N, C, H, W]`` logits, and always applies a softmax, which is 1 for
+        one BCE logit. Use :func:`lsn_ext.predict` for those.
+
+        Raises:
+            ValueError: For a BCE loss or outputs that are not ``[N, K]``.
         """
+        x = self._tensor_input(x)
+        if isinstance(self.loss_fn, BCEWithLogits):
+            raise ValueError(
+                "laplace-torch's predictive (la(x), its GLM grid search) applies a softmax over "
+                "the outputs, which is 1 for every input of a BCE (sigmoid) model. Use "
+                "lsn_ext.predict(la, x) for the sigmoid predictive and "
+                "lsn_ext.gridsearch_prior_precision(la, val_loader) to tune the prior; "
+                "la(x, pred_type='nn') cannot be intercepted and is wrong for BCE models too"
+            )
         with torch.no_grad():
             shape = self.model(x[:1]).shape
         if len(shape) != 2:
@@ -255,6 +507,13 @@ def _check_fitted(la: Any) -> None:
         raise ValueError("the Laplace object is not fitted yet: call la.fit(train_loader) first")
 
 
+def _check_n_samples(n_samples: Any) -> None:
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 2:
+        raise ValueError(
+            f"n_samples must be an int of at least 2 to estimate a variance, got {n_samples!r}"
+        )
+
+
 @torch.no_grad()
 def predict(
     la: Any,
@@ -267,9 +526,14 @@ def predict(
 
     Draws ``n_samples`` parameter vectors from the posterior (``la.sample``), runs the network
     with each (``torch.func.functional_call`` with every alias of a shared module or tied weight
-    substituted: the model itself is never modified),
+    substituted, and with copies of the buffers: the model itself is never modified),
     and accumulates the probabilities (softmax over dim 1; sigmoid for a BCE backend) in one pass
     (Welford), so memory does not grow with ``n_samples``.
+
+    The model runs in its current mode. Normalisation layers with running statistics must be in
+    eval mode (laplace-torch's ``fit`` leaves the model in eval mode); ``predict`` refuses
+    training-mode batch norm rather than normalising with the batch's statistics, and never
+    changes the model's mode or buffers.
 
     Args:
         la: A fitted laplace-torch ``Laplace`` object (any backend; :class:`DiagBackprop` tells
@@ -277,31 +541,44 @@ def predict(
             trainable parameters (in ``parameters()`` order) with attributes ``model``,
             ``n_params``, ``link`` (``"softmax"``, ``"sigmoid"`` or ``"identity"``) and a
             method ``sample(n, generator=None) -> [n, n_params]`` (e.g. :mod:`lsn_ext.vi`).
-        x: Images ``[N, C_in, *spatial]``.
-        n_samples: Posterior samples (the LSN paper uses 50).
+        x: Images ``[N, C_in, *spatial]``, finite.
+        n_samples: Posterior samples (the LSN paper uses 50), at least 2.
         generator: Random generator for reproducible samples.
 
     Returns:
         The predictive maps (:class:`SegmentationPrediction`).
 
     Raises:
-        TypeError: If ``la`` is not a laplace-torch object.
-        ValueError: If ``la`` is not fitted, ``n_samples < 2``, or the logits are not
-            ``[N, C, *]``.
+        TypeError: If ``la`` is not a posterior or ``x`` not a tensor.
+        ValueError: If ``la`` is not fitted, ``n_samples < 2``, ``x`` is empty or not finite,
+            the model has training-mode batch norm, the logits are not ``[N, C, *]``, or a
+            softmax posterior has one logit channel (a BCE posterior created or loaded without
+            ``backend_kwargs={"loss": "bce"}``).
     """
     _check_fitted(la)
-    if n_samples < 2:
-        raise ValueError(f"n_samples must be at least 2 to estimate a variance, got {n_samples}")
+    _check_n_samples(n_samples)
+    x = _check_images(x)
     link = _link(la)
     named = _trainable(la)
+    _check_eval_norms(la.model, "predict")
+    buffers = dict(la.model.named_buffers())
     samples = la.sample(n_samples, generator=generator)
     sizes = [p.numel() for _, p in named]
     mean = m2 = expected_entropy = None
     for i, theta in enumerate(samples):
         params = {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
+        params.update({n: b.clone() for n, b in buffers.items()})
         f = functional_call_all(la.model, params, (x,))
-        if f.dim() < 2:
-            raise ValueError(f"expected logits [N, C, *], got shape {tuple(f.shape)}")
+        if not isinstance(f, Tensor) or f.dim() < 2:
+            shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
+            raise ValueError(f"expected logits [N, C, *], got {shape}")
+        if link == "softmax" and f.shape[1] == 1:
+            raise ValueError(
+                f"a softmax over one logit channel (logits {tuple(f.shape)}) is 1 everywhere: "
+                "this posterior has no BCE loss. For binary segmentation create the Laplace "
+                "with backend_kwargs={'loss': 'bce'} (also when loading a state_dict: "
+                "laplace-torch does not save the backend's loss)"
+            )
         if link == "softmax":
             p = torch.softmax(f, 1)
         elif link == "sigmoid":
@@ -324,66 +601,229 @@ def predict(
     return SegmentationPrediction(mean, variance, entropy, mutual_information, n_samples)
 
 
-def _nll(prediction: SegmentationPrediction, y: Tensor, link: str) -> Tensor:
-    """Summed negative log predictive probability of the targets."""
-    tiny = torch.finfo(prediction.mean.dtype).tiny
+def _nll(
+    prediction: SegmentationPrediction, y: Tensor, link: str, ignore_index: int | None
+) -> tuple[float, int]:
+    """Summed negative log predictive probability of the targets and the number counted."""
+    if not isinstance(y, Tensor):
+        raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
     p = prediction.mean
+    tiny = torch.finfo(p.dtype).tiny
     if link == "sigmoid":
-        y = y.reshape(p.shape).to(p.dtype)
-        return -(y * p.clamp_min(tiny).log() + (1 - y) * (1 - p).clamp_min(tiny).log()).sum()
-    picked = p.gather(1, y.long().unsqueeze(1).clamp_min(0)).squeeze(1)
-    valid = y >= 0
-    return -(picked.clamp_min(tiny).log() * valid).sum()
+        if y.shape != p.shape and y.shape == p[:, 0].shape and p.shape[1] == 1:
+            y = y.unsqueeze(1)
+        if y.shape != p.shape:
+            raise ValueError(
+                f"binary targets of shape {tuple(y.shape)} do not match the predictions "
+                f"{tuple(p.shape)}; give masks [N, 1, *] or [N, *]"
+            )
+        _check_finite("the validation targets", y)
+        valid = torch.ones_like(y, dtype=torch.bool) if ignore_index is None else y != ignore_index
+        y = y.to(p.dtype)
+        bad = valid & ((y < 0) | (y > 1))
+        if bad.any():
+            raise ValueError(
+                f"binary target {y[bad][0].item()} is outside [0, 1] and not "
+                f"ignore_index={ignore_index}; pass ignore_index= for the value that marks "
+                "unlabelled pixels"
+            )
+        y = torch.where(valid, y, 0)
+        nll = -(y * p.clamp_min(tiny).log() + (1 - y) * (1 - p).clamp_min(tiny).log())
+        return float((nll * valid).sum()), int(valid.sum())
+    expected = p.shape[:1] + p.shape[2:]
+    if y.shape != expected:
+        raise ValueError(
+            f"class targets must have shape {tuple(expected)} for predictions "
+            f"{tuple(p.shape)}; got {tuple(y.shape)}"
+        )
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise ValueError(f"class targets must be integer class indices, got dtype {y.dtype}")
+    C = p.shape[1]
+    valid = torch.ones_like(y, dtype=torch.bool) if ignore_index is None else y != ignore_index
+    bad = valid & ((y < 0) | (y >= C))
+    if bad.any():
+        raise ValueError(
+            f"class target {y[bad][0].item()} is outside [0, {C}) and not "
+            f"ignore_index={ignore_index}; pass ignore_index= for the value that marks "
+            "unlabelled pixels (e.g. 255)"
+        )
+    picked = p.gather(1, torch.where(valid, y, 0).long().unsqueeze(1)).squeeze(1)
+    return float(-(picked.clamp_min(tiny).log() * valid).sum()), int(valid.sum())
+
+
+@dataclass
+class GridSearchResult:
+    """What :func:`gridsearch_prior_precision` found (``la.prior_precision`` is already set).
+
+    Attributes:
+        prior_precision: The chosen value.
+        grid: The candidates, in the order tried.
+        scores: Mean negative log predictive probability per labelled pixel for each candidate
+            (``inf`` where it was not finite).
+    """
+
+    prior_precision: float
+    grid: list[float]
+    scores: list[float]
+
+
+_STRUCTURES = ("scalar", "layerwise", "diag")
+
+
+def _grid(
+    grid: Iterable[float] | None,
+    log_prior_prec_min: float,
+    log_prior_prec_max: float,
+    grid_size: int,
+    log_prior_prec_base: float,
+) -> list[float]:
+    if grid is None:
+        if isinstance(grid_size, bool) or not isinstance(grid_size, int) or grid_size < 1:
+            raise ValueError(f"grid_size must be a positive int, got {grid_size!r}")
+        bounds = (log_prior_prec_min, log_prior_prec_max, log_prior_prec_base)
+        if not all(math.isfinite(b) for b in bounds) or log_prior_prec_min > log_prior_prec_max:
+            raise ValueError(
+                "log_prior_prec_min <= log_prior_prec_max must be finite, got "
+                f"{log_prior_prec_min} and {log_prior_prec_max}"
+            )
+        if log_prior_prec_base <= 0 or log_prior_prec_base == 1:
+            raise ValueError(
+                f"log_prior_prec_base must be positive and not 1, got {log_prior_prec_base}"
+            )
+        grid = torch.logspace(
+            log_prior_prec_min,
+            log_prior_prec_max,
+            grid_size,
+            base=log_prior_prec_base,
+            dtype=torch.float64,
+        ).tolist()
+    values = [float(v) for v in grid]
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"grid must hold finite positive prior precisions, got {values}")
+    return values
 
 
 def gridsearch_prior_precision(
-    la: Any,
-    val_loader: Iterable[tuple[Tensor, Tensor]],
-    grid: Iterable[float] | None = None,
-    n_samples: int = 10,
+    la: BaseLaplace,
+    val_loader: Iterable[Sequence[Tensor]],
     *,
+    log_prior_prec_min: float = -4.0,
+    log_prior_prec_max: float = 4.0,
+    grid_size: int = 21,
+    log_prior_prec_base: float = 10.0,
+    grid: Iterable[float] | None = None,
+    prior_structure: Literal["scalar", "layerwise", "diag"] = "scalar",
+    n_samples: int = 10,
+    ignore_index: int | None = None,
+    progress_bar: bool = False,
+    verbose: bool = False,
     seed: int = 0,
-) -> tuple[float, dict[float, float]]:
+) -> GridSearchResult:
     """Choose the prior precision by the per-pixel predictive NLL on validation data.
 
-    For each value of ``grid`` (default: 21 values log-spaced from 1e-4 to 1e4) sets
-    ``la.prior_precision``, computes :func:`predict` on ``val_loader`` with common random numbers
-    (the same seed for every value), and keeps the value with the lowest mean negative log
-    predictive probability per labelled pixel. ``la.prior_precision`` is left at the best value.
+    The per-pixel counterpart of ``la.optimize_prior_precision(method="gridsearch", ...)``
+    (same argument names; laplace-torch's own grid search goes through ``la(x)``, which does not
+    support segmentation). Candidates are ``grid``, or ``grid_size`` values log-spaced from
+    ``log_prior_prec_base**log_prior_prec_min`` to ``log_prior_prec_base**log_prior_prec_max``.
+    For each, sets ``la.prior_precision``, computes :func:`predict` on ``val_loader`` with
+    common random numbers (the same seed for every candidate) and scores the mean negative log
+    predictive probability per labelled pixel. Like laplace-torch, it leaves
+    ``la.prior_precision`` at the best value (in ``prior_structure``); unlike laplace-torch it
+    also returns the scores. On an error the previous prior precision is restored.
 
     Args:
-        la: A fitted Laplace object with a classification likelihood.
-        val_loader: Batches ``(x, y)``: class indices ``[N, *]`` (``-1`` or below ignored), or
-            binary masks for a BCE backend.
-        grid: Candidate prior precisions (positive).
-        n_samples: Posterior samples per prediction.
+        la: A fitted laplace-torch ``Laplace`` with a classification likelihood.
+        val_loader: Batches ``(x, y)``: class indices ``[N, *]`` (integer), or binary masks
+            ``[N, 1, *]`` / ``[N, *]`` in ``[0, 1]`` for a BCE backend.
+        log_prior_prec_min: Exponent of the smallest candidate.
+        log_prior_prec_max: Exponent of the largest candidate.
+        grid_size: Number of candidates.
+        log_prior_prec_base: Base of the exponents.
+        grid: Explicit candidates (positive), instead of the log-spaced ones.
+        prior_structure: Shape of the prior precision that is set: ``"scalar"`` (one value),
+            ``"layerwise"`` or ``"diag"`` (the chosen value repeated per parameter tensor or
+            parameter, e.g. as a start for ``method="marglik"``); every candidate is a single
+            value either way.
+        n_samples: Posterior samples per prediction (at least 2).
+        ignore_index: Target value of unlabelled pixels (e.g. ``255``), not scored. Default:
+            the cross-entropy loss's ``ignore_index`` (``-100``) for multi-class models, none
+            for binary ones.
+        progress_bar: Show a progress bar over the candidates.
+        verbose: Print the chosen prior precision.
         seed: Seed of the common random numbers.
 
     Returns:
-        ``(best, {precision: mean NLL})``.
+        The :class:`GridSearchResult` (chosen value, candidates, scores).
 
     Raises:
-        ValueError: For regression, an empty grid or loader, or non-positive values.
+        TypeError: If ``la`` is not a laplace-torch ``Laplace`` or a batch is not ``(x, y)``.
+        ValueError: For regression, an unfitted ``la``, bad grid options, an empty loader or
+            no labelled pixels, targets that are NaN, of the wrong shape or dtype, or outside
+            the classes and not ``ignore_index``.
     """
+    if not isinstance(la, BaseLaplace):
+        raise TypeError(
+            "gridsearch_prior_precision tunes a laplace-torch Laplace object's prior precision; "
+            f"got {type(la).__name__}"
+        )
     _check_fitted(la)
     link = _link(la)
     if link == "identity":
-        raise ValueError("gridsearch_prior_precision needs a classification likelihood")
-    values = [10.0**k for k in torch.linspace(-4, 4, 21).tolist()] if grid is None else list(grid)
-    if not values or min(values) <= 0:
-        raise ValueError(f"grid must hold positive values, got {values}")
-    scores: dict[float, float] = {}
-    for value in values:
-        la.prior_precision = value
-        total, count = 0.0, 0
-        for batch, (x, y) in enumerate(val_loader):
-            gen = torch.Generator(device=x.device).manual_seed(seed + batch)
-            pred = predict(la, x, n_samples, generator=gen)
-            total += _nll(pred, y, link).item()
-            count += int((y >= 0).sum()) if link == "softmax" else y.numel()
-        if count == 0:
-            raise ValueError("val_loader yielded no labelled pixels")
-        scores[value] = total / count if math.isfinite(total) else math.inf
-    best = min(scores, key=scores.__getitem__)
-    la.prior_precision = best
-    return best, scores
+        raise ValueError(
+            "gridsearch_prior_precision needs a classification likelihood; for regression use "
+            "la.optimize_prior_precision(method='marglik')"
+        )
+    _check_n_samples(n_samples)
+    if prior_structure not in _STRUCTURES:
+        raise ValueError(f"prior_structure must be one of {_STRUCTURES}, got {prior_structure!r}")
+    values = _grid(grid, log_prior_prec_min, log_prior_prec_max, grid_size, log_prior_prec_base)
+    if ignore_index is None and link == "softmax":
+        loss = la.backend.loss_fn if isinstance(la.backend, DiagBackprop) else None
+        ignore_index = loss.ignore_index if isinstance(loss, CrossEntropy) else -100
+
+    def structured(value: float) -> Tensor:
+        return fix_prior_prec_structure(
+            value, prior_structure, la.n_layers, la.n_params, la._device, la._dtype
+        )
+
+    previous = la.prior_precision.clone()
+    scores: list[float] = []
+    try:
+        pbar = tqdm.tqdm(values, disable=not progress_bar)
+        for value in pbar:
+            la.prior_precision = value
+            total, count, n_batches = 0.0, 0, 0
+            for batch, data in enumerate(val_loader):
+                if isinstance(data, MutableMapping) or len(data) != 2:
+                    raise TypeError(
+                        "val_loader must yield (x, y) pairs of tensors, got a "
+                        f"{type(data).__name__}"
+                    )
+                x, y = data
+                x = _check_images(x)
+                gen = torch.Generator(device=x.device).manual_seed(seed + batch)
+                pred = predict(la, x, n_samples, generator=gen)
+                nll, labelled = _nll(pred, y, link, ignore_index)
+                total, count, n_batches = total + nll, count + labelled, n_batches + 1
+            if n_batches == 0:
+                raise ValueError("val_loader yielded no batches")
+            if count == 0:
+                raise ValueError(
+                    f"val_loader holds no labelled pixels (all targets are ignore_index="
+                    f"{ignore_index})"
+                )
+            scores.append(total / count if math.isfinite(total) else math.inf)
+            if progress_bar:
+                pbar.set_description(
+                    f"[Grid search | prior_prec: {value:.3e}, NLL: {scores[-1]:.3f}]"
+                )
+        if not any(math.isfinite(s) for s in scores):
+            raise ValueError(f"every prior precision in {values} gave a non-finite validation NLL")
+    except BaseException:
+        la.prior_precision = previous
+        raise
+    best = values[min(range(len(values)), key=scores.__getitem__)]
+    la.prior_precision = structured(best)
+    if verbose:
+        print(f"Optimized prior precision is {best}.")
+    return GridSearchResult(best, values, scores)

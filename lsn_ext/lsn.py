@@ -29,7 +29,14 @@ from torch.utils.data import DataLoader
 
 from lsn_ext._functional import functional_call_all
 from lsn_ext.estimators import Estimator
-from lsn_ext.laplace_ext import DiagBackprop, SegmentationPrediction, _entropy, predict
+from lsn_ext.laplace_ext import (
+    DiagBackprop,
+    SegmentationPrediction,
+    _check_images,
+    _check_n_samples,
+    _entropy,
+    predict,
+)
 from lsn_ext.models.ssn import SSN, SSNOutput
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy
 
@@ -96,7 +103,7 @@ def fit_lsn(
     progress_bar: bool = False,
     estimator: Estimator = "mc",
     mc_samples: int = 1,
-    seed: int | None = None,
+    seed: int | None = 0,
 ) -> BaseLaplace:
     """Fit the LSN posterior: a diagonal Laplace approximation over backbone + mean head.
 
@@ -118,11 +125,27 @@ def fit_lsn(
             (default, unbiased Monte Carlo), ``"db"`` (the paper's diagonal backprop) or
             ``"db_calibrated"``.
         mc_samples: Monte-Carlo vectors per image for ``"mc"`` and ``"db_calibrated"``.
-        seed: Seed of the Monte-Carlo vectors (``None``: torch's global generator).
+        seed: Seed of the Monte-Carlo vectors: each batch's vectors are a function of
+            ``(seed, batch)``, so a refit reproduces the posterior (``None``: torch's global
+            generator), see :class:`lsn_ext.DiagBackprop`.
 
     Returns:
         The fitted laplace-torch object; ``la.model`` is the :class:`MeanNetwork`.
+
+    Raises:
+        TypeError: If ``ssn`` is not an SSN or ``train_loader`` has no ``dataset``.
+        ValueError: If the loader's dataset is empty, and as :class:`lsn_ext.DiagBackprop`.
     """
+    if not isinstance(ssn, SSN):
+        raise TypeError(f"fit_lsn takes an lsn_ext.models.SSN, got {type(ssn).__name__}")
+    dataset = getattr(train_loader, "dataset", None)
+    if dataset is None:
+        raise TypeError(
+            "train_loader must be a DataLoader (laplace-torch reads len(train_loader.dataset)), "
+            f"got {type(train_loader).__name__}"
+        )
+    if len(dataset) == 0:
+        raise ValueError("train_loader's dataset is empty: nothing to fit the posterior on")
     loss = BCEWithLogits(pos_weight=pos_weight) if ssn.num_classes == 1 else CrossEntropy()
     la = Laplace(
         MeanNetwork(ssn),
@@ -209,8 +232,11 @@ def mc_dropout_predict(model: nn.Module, x: Tensor, n_samples: int = 50) -> Segm
         n_samples: Forward passes (the LSN paper: 50).
 
     Raises:
-        ValueError: If the model has no dropout module.
+        ValueError: If the model has no dropout module, ``x`` is empty or not finite, or
+            ``n_samples < 2``.
     """
+    x = _check_images(x)
+    _check_n_samples(n_samples)
     dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
     if not any(m.p > 0 for m in dropouts):
         raise ValueError(f"{type(model).__name__} has no dropout module with p > 0")
@@ -226,8 +252,16 @@ def ensemble_predict(models: Iterable[nn.Module], x: Tensor) -> SegmentationPred
     """Deep ensemble (Lakshminarayanan et al. 2017): one prediction per member, in eval mode.
 
     The members' modes are restored afterwards.
+
+    Raises:
+        TypeError: If a member is not an ``nn.Module``.
+        ValueError: For fewer than two members or an empty or non-finite ``x``.
     """
     models = list(models)
+    for i, m in enumerate(models):
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"ensemble member {i} is a {type(m).__name__}, not an nn.Module")
+    x = _check_images(x)
     with _restored(*models):
         return _sample_prediction((m.eval()(x) for m in models), len(models))
 
@@ -241,9 +275,15 @@ def aleatoric_maps(
     ``η^(m) ~ N(μ(x), diag(d(x)) + P(x) P(x)ᵀ)``, ``m = 1…M``; returns ``E σ(η)`` and
     ``Var σ(η)`` per pixel (softmax over the classes for ``K ≥ 2``), each ``[N, K, H, W]``.
     The SSN is evaluated in eval mode (dropout off); its mode is restored.
+
+    Raises:
+        TypeError: If ``ssn`` is not an SSN.
+        ValueError: For ``n_samples < 2`` or an empty or non-finite ``x``.
     """
-    if n_samples < 2:
-        raise ValueError(f"n_samples must be at least 2 to estimate a variance, got {n_samples}")
+    if not isinstance(ssn, SSN):
+        raise TypeError(f"aleatoric_maps takes an lsn_ext.models.SSN, got {type(ssn).__name__}")
+    _check_n_samples(n_samples)
+    x = _check_images(x)
     with _restored(ssn):
         ssn.eval()
         eta = ssn.distribution(x).rsample(n_samples, antithetic=False, generator=generator)
@@ -315,10 +355,19 @@ def predict_lsn(
         The maps (:class:`LSNPrediction`); the SSN is evaluated in eval mode, its mode restored.
 
     Raises:
-        ValueError: If ``la`` was not fitted on ``MeanNetwork(ssn)``.
+        TypeError: If ``la`` is not a laplace-torch ``Laplace``.
+        ValueError: If ``la`` was not fitted on ``MeanNetwork(ssn)``, for sample counts below 2
+            and an empty or non-finite ``x``.
     """
+    if not isinstance(la, BaseLaplace):
+        raise TypeError(f"la must be the Laplace object of fit_lsn, got {type(la).__name__}")
+    if not isinstance(ssn, SSN):
+        raise TypeError(f"predict_lsn takes an lsn_ext.models.SSN, got {type(ssn).__name__}")
     if not isinstance(la.model, MeanNetwork) or la.model.backbone is not ssn.backbone:
         raise ValueError("la must be the posterior of MeanNetwork(ssn) for this ssn (fit_lsn)")
+    _check_n_samples(n_epistemic)
+    _check_n_samples(n_aleatoric)
+    x = _check_images(x)
     with _restored(ssn):
         ssn.eval()
         return _predict_lsn(la, ssn, x, n_epistemic, n_aleatoric, seed)

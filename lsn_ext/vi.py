@@ -73,6 +73,38 @@ def _inverse_softplus(x: Tensor) -> Tensor:
     return x + torch.log(-torch.expm1(-x))
 
 
+def _positive_finite(name: str, value: object) -> float:
+    """``float(value)`` for a finite positive real number; otherwise a clear error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
+        else:
+            raise TypeError(f"{name} must be a positive number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be finite and positive, got {value!r}")
+    return float(value)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_batch(x: object, y: object) -> None:
+    """Refuse non-tensor, empty or non-finite batches (they would turn the ELBO into NaN)."""
+    for name, t in (("x", x), ("y", y)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"batches must be (x, y) tensors; {name} is a {type(t).__name__}")
+        if t.dim() == 0 or t.shape[0] == 0:
+            raise ValueError(f"{name} must be a non-empty batch [B, ...], got {tuple(t.shape)}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(
+                f"{name} of shape {tuple(t.shape)} holds NaN or infinite values; clean or mask "
+                "them before fitting"
+            )
+
+
 def _check_mode(mode: str) -> None:
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {_MODES}, got {mode!r}")
@@ -118,13 +150,15 @@ class StructuredGaussian(nn.Module):
         loc = torch.as_tensor(loc)
         if loc.dim() != 1:
             raise ValueError(f"loc must be a flat vector [P], got shape {tuple(loc.shape)}")
-        if not isinstance(rank, int) or rank < 0:
+        if not torch.isfinite(loc).all():
+            raise ValueError("loc (the initial mean, e.g. the model's weights) holds NaN or inf")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
         init_std = torch.as_tensor(init_std, dtype=loc.dtype, device=loc.device)
-        if (init_std <= 0).any():
-            raise ValueError("init_std must be positive")
-        if min_variance < 0:
-            raise ValueError(f"min_variance must be non-negative, got {min_variance}")
+        if not torch.isfinite(init_std).all() or (init_std <= 0).any():
+            raise ValueError(f"init_std must be finite and positive, got {init_std}")
+        if not math.isfinite(min_variance) or min_variance < 0:
+            raise ValueError(f"min_variance must be finite and non-negative, got {min_variance}")
         self.n_params, self.rank, self.min_variance = loc.numel(), rank, float(min_variance)
         self.loc = nn.Parameter(loc.detach().clone())
         variance = (init_std**2 - min_variance).clamp_min(1e-30).expand(self.n_params)
@@ -218,7 +252,7 @@ class StructuredGaussian(nn.Module):
         """Standard noise ``(ε [n, P], z [n, r])`` coupled according to ``mode``."""
         _check_mode(mode)
         g = _group_size(mode, self.rank)
-        if n < 1 or n % g:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n % g:
             raise ValueError(
                 f"mode {mode!r} draws groups of {g} coupled samples (rank {self.rank}); "
                 f"n must be a positive multiple of {g}, got {n}"
@@ -308,6 +342,8 @@ class GaussianMixture(nn.Module):
             raise ValueError(f"n_components must be a positive int, got {n_components!r}")
         loc = torch.as_tensor(loc)
         jitter = init_std if jitter is None else jitter
+        if not math.isfinite(jitter) or jitter < 0:
+            raise ValueError(f"jitter must be finite and non-negative, got {jitter}")
         self.components = nn.ModuleList(
             StructuredGaussian(
                 loc
@@ -377,7 +413,7 @@ class GaussianMixture(nn.Module):
         """
         _check_mode(mode)
         g = _group_size(mode, self.rank)
-        if n < 1 or n % g:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n % g:
             raise ValueError(f"n must be a positive multiple of {g} for mode {mode!r}, got {n}")
         groups = torch.multinomial(
             self.weights.detach(), n // g, replacement=True, generator=generator
@@ -457,6 +493,10 @@ class VariationalPosterior:
     Gaussian of standard deviation ``σ``, up to a constant), ``N`` the training-set size and
     ``B = x.shape[0]`` the batch size, and the prior ``p(θ) = N(0, λ⁻¹ I)``.
 
+    The model runs in its current mode (e.g. training-mode dropout adds its noise to the
+    likelihood, training-mode batch norm normalises with the batch's statistics), but always
+    with copies of its buffers: running statistics are never updated.
+
     Attributes:
         model: The wrapped network.
         q: The family (:class:`StructuredGaussian` or :class:`GaussianMixture`), an ``nn.Module``
@@ -480,9 +520,10 @@ class VariationalPosterior:
         generator: Random generator of the initialisation.
 
     Raises:
-        ValueError: For a model without trainable parameters, a loss with ``reduction="mean"``
-            or a non-positive prior precision.
-        TypeError: For a loss without a known link.
+        ValueError: For a model without trainable parameters (or non-finite ones), a loss with
+            ``reduction="mean"``, a prior precision or ``init_std`` that is not finite and
+            positive, or bad ``rank``/``n_components``.
+        TypeError: For a loss without a known link, or a non-numeric prior precision.
     """
 
     def __init__(
@@ -505,9 +546,8 @@ class VariationalPosterior:
         if link is None:
             raise TypeError(f"no predictive link for loss {type(self.loss_fn).__name__}")
         self.link = link
-        if prior_precision <= 0:
-            raise ValueError(f"prior_precision must be positive, got {prior_precision}")
-        self.prior_precision = float(prior_precision)
+        self.prior_precision = _positive_finite("prior_precision", prior_precision)
+        _positive_finite("init_std", init_std)
         named = self._named()
         if not named:
             raise ValueError(f"{type(model).__name__} has no parameters with requires_grad")
@@ -570,7 +610,10 @@ class VariationalPosterior:
 
     def log_likelihood(self, theta: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """``log p(y | x, θ) = −loss(f_θ(x), y)`` (summed), for one ``θ`` ``[P]``."""
-        f = functional_call_all(self.model, self._params(theta), (x,))
+        tensors = self._params(theta)
+        # Copies of the buffers: a training-mode batch norm updates the copies, not the model.
+        tensors.update({n: b.clone() for n, b in self.model.named_buffers()})
+        f = functional_call_all(self.model, tensors, (x,))
         return -self.loss_fn.value(f, y)
 
     def batched_log_likelihood(
@@ -632,8 +675,13 @@ class VariationalPosterior:
 
         Returns:
             The scalar estimate (up to the likelihood's normalising constant).
+
+        Raises:
+            ValueError: For an empty or non-finite batch, or ``n_data`` that is not a positive
+                int.
         """
-        scale = 1.0 if n_data is None else n_data / x.shape[0]
+        _check_batch(x, y)
+        scale = 1.0 if n_data is None else _positive_int("n_data", n_data) / x.shape[0]
 
         def log_joint(thetas: Tensor) -> Tensor:
             data = self.batched_log_likelihood(thetas, x, y, vectorize=vectorize)
@@ -673,15 +721,35 @@ class VariationalPosterior:
 
         Returns:
             ``self``; the ELBO of every step is appended to :attr:`history`.
+
+        Raises:
+            ValueError: For ``epochs``, ``n_samples``, ``n_data`` or ``log_every`` that are not
+                positive ints, a learning rate that is not finite and positive, a loader without
+                batches, an empty or non-finite batch, or a non-finite ELBO (the variational
+                parameters are left as they were before that step).
         """
+        _positive_int("epochs", epochs)
+        _positive_int("n_samples", n_samples)
+        _positive_int("log_every", log_every)
+        if optimizer is None:
+            _positive_finite("lr", lr)
         if n_data is None:
-            n_data = sum(int(x.shape[0]) for x, _ in loader)
+            n_data = sum(int(batch[0].shape[0]) for batch in loader)
+            if n_data == 0:
+                raise ValueError("loader yielded no data: nothing to fit")
+        _positive_int("n_data", n_data)
         optimizer = optimizer or torch.optim.Adam(self.parameters(), lr=lr)
         step = len(self.history)
         for _ in range(epochs):
+            steps_before = step
             for x, y in loader:
                 optimizer.zero_grad()
                 value = self.elbo(x, y, n_data, n_samples, mode, generator=generator)
+                if not torch.isfinite(value):
+                    raise ValueError(
+                        f"the ELBO is {float(value)} at step {step}; check the targets and the "
+                        "learning rate (the variational parameters were not updated)"
+                    )
                 (-value).backward()
                 optimizer.step()
                 value = float(value.detach())
@@ -691,4 +759,6 @@ class VariationalPosterior:
                 elif progress and step % log_every == 0:
                     print(f"step {step:6d}  ELBO {value:.4g}")
                 step += 1
+            if step == steps_before:
+                raise ValueError("loader yielded no batches: nothing to fit")
         return self

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from laplace import Laplace
@@ -9,6 +11,7 @@ from lsn_ext import BCEWithLogits, CrossEntropy, diag_backprop, ggn_diagonal
 from lsn_ext.data import synthetic_lesions
 from lsn_ext.laplace_ext import DiagBackprop, gridsearch_prior_precision, predict
 from lsn_ext.models import UNet
+from tests.model_state import assert_unchanged, snapshot
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 
@@ -47,7 +50,13 @@ CASES = {
         CrossEntropy(),
         "classification",
     ),
-    "dense-regression": (2, lambda m: m.expand(-1, 2, -1, -1) * 2 - 1, "mse", "regression"),
+    # Dense regression goes through laplace-torch flattened (its normaliser counts y.shape[-1]).
+    "dense-regression-flat": (
+        2,
+        lambda m: (m.expand(-1, 2, -1, -1) * 2 - 1).flatten(1),
+        "mse",
+        "regression",
+    ),
 }
 
 
@@ -57,6 +66,8 @@ def test_fit_sums_engine_diagonal_over_loader(case):
     x, m = lesions()
     y = target(m)
     net = UNet(3, out, widths=(2, 3, 4), upsampling="bilinear")
+    if likelihood == "regression":
+        net = nn.Sequential(net, nn.Flatten())
     loader = DataLoader(TensorDataset(x, y), batch_size=3)
     la = make_laplace(net, likelihood, loss=loss)
     la.fit(loader)
@@ -82,15 +93,18 @@ def test_fit_with_another_estimator_sums_its_batches(options):
     loss = BCEWithLogits(pos_weight=3.0)
     la = make_laplace(net, loss=loss, seed=7, **options)
     la.fit(loader)
-    generator = torch.Generator().manual_seed(7)
     expected = sum(
-        ggn_diagonal(net, xb, yb, loss, generator=generator, **options).vector for xb, yb in loader
+        ggn_diagonal(
+            net, xb, yb, loss, generator=la.backend._batch_generator(xb, yb), **options
+        ).vector
+        for xb, yb in loader
     )
     torch.testing.assert_close(la.H, expected, **TOL)
     db = engine_sum(net, loader, loss)[1]
     assert not torch.allclose(la.H, db)
-    la.fit(loader)  # the backend's generator goes on: a refit draws new vectors
-    assert not torch.allclose(la.H, expected)
+    other = make_laplace(net, loss=loss, seed=8, **options)
+    other.fit(loader)  # another seed draws other vectors
+    assert not torch.allclose(other.H, expected)
 
 
 def test_default_estimator_is_monte_carlo():
@@ -107,9 +121,13 @@ def test_default_estimator_is_monte_carlo():
     )
     la.fit(loader)
     assert la.backend.estimator == "mc"
-    g = torch.Generator().manual_seed(3)
+    assert la.backend.stochastic
+    assert la.backend.num_samples == la.backend.mc_samples == 1
     expected = sum(
-        ggn_diagonal(net, xb, yb, "bce", estimator="mc", generator=g).vector for xb, yb in loader
+        ggn_diagonal(
+            net, xb, yb, "bce", estimator="mc", generator=la.backend._batch_generator(xb, yb)
+        ).vector
+        for xb, yb in loader
     )
     torch.testing.assert_close(la.H, expected, **TOL)
 
@@ -166,9 +184,10 @@ def test_binary_segmentation_workflow_end_to_end(capsys):
     assert pred.variance.max() > 0
 
     val = DataLoader(TensorDataset(x[:4], m[:4]), batch_size=2)
-    best, scores = gridsearch_prior_precision(la, val, grid=[1e-2, 1.0, 1e2], n_samples=4)
-    assert best == min(scores, key=scores.get)
-    assert float(la.prior_precision) == best
+    result = gridsearch_prior_precision(la, val, grid=[1e-2, 1.0, 1e2], n_samples=4)
+    assert result.grid == [1e-2, 1.0, 1e2]
+    assert result.prior_precision == result.grid[result.scores.index(min(result.scores))]
+    assert float(la.prior_precision) == result.prior_precision
 
 
 def test_predictive_collapses_to_map_for_a_sharp_posterior():
@@ -312,9 +331,9 @@ def test_last_layer_laplace_is_refused():
 
 def test_laplace_predictive_on_spatial_outputs_points_to_predict():
     x, m = lesions(4)
-    la = make_laplace(UNet(3, 1, widths=(2, 3, 4)), loss="bce")
-    la.fit(DataLoader(TensorDataset(x, m), batch_size=2))
-    with pytest.raises(ValueError, match=r"\[N, 1, 16, 16\].*lsn_ext.predict"):
+    la = make_laplace(UNet(3, 2, widths=(2, 3, 4)))
+    la.fit(DataLoader(TensorDataset(x, m[:, 0].long()), batch_size=2))
+    with pytest.raises(ValueError, match=r"\[N, 2, 16, 16\].*lsn_ext.predict"):
         la(x[:1])
 
 
@@ -343,3 +362,210 @@ def test_predict_accepts_any_posterior_with_the_protocol():
     PointMass.link = "logistic"
     with pytest.raises(ValueError, match="link must be one of"):
         predict(PointMass(), x, n_samples=3)
+
+
+@pytest.mark.parametrize("spatial", [False, True], ids=["bce-N1", "bce-N1HW"])
+def test_laplace_torch_predictive_of_a_bce_model_is_refused(spatial):
+    # laplace-torch's GLM predictive takes a softmax over one logit: 1 for every input.
+    if spatial:
+        net, (x, y) = UNet(3, 1, widths=(2, 3, 4)), lesions(4)
+    else:
+        net, x = nn.Linear(3, 1), torch.randn(8, 3)
+        y = (x[:, :1] > 0).double()
+    la = make_laplace(net, loss="bce")
+    la.fit(DataLoader(TensorDataset(x, y), batch_size=4))
+    with pytest.raises(ValueError, match=r"1 for every input.*lsn_ext\.predict"):
+        la(x[:2])
+    with pytest.raises(ValueError, match=r"1 for every input"):
+        la.optimize_prior_precision(method="gridsearch", val_loader=[(x, y)], grid_size=2)
+    pred = predict(la, x[:2], n_samples=3)  # the sigmoid predictive
+    assert pred.mean.min() > 0
+    assert pred.mean.max() < 1
+
+
+def test_state_dict_roundtrip_needs_the_loss_and_refuses_a_silent_mismatch():
+    x, m = lesions(4)
+    net = UNet(3, 1, widths=(2, 3, 4))
+    la = make_laplace(net, loss="bce")
+    la.fit(DataLoader(TensorDataset(x, m), batch_size=2))
+    state = la.state_dict()
+    expected = predict(la, x[:2], 4, generator=torch.Generator().manual_seed(0))
+
+    right = make_laplace(net, loss="bce")
+    right.load_state_dict(state)
+    got = predict(right, x[:2], 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(got.mean, expected.mean, rtol=0, atol=0)
+    torch.testing.assert_close(got.variance, expected.variance, rtol=0, atol=0)
+
+    wrong = make_laplace(net)  # no loss: cross-entropy, softmax over one channel
+    wrong.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"one logit channel.*'loss': 'bce'.*state_dict"):
+        predict(wrong, x[:2], 4)
+    with pytest.raises(ValueError, match=r"one logit channel"):
+        gridsearch_prior_precision(wrong, [(x[:2], m[:2])], grid=[1.0], n_samples=2)
+
+
+def test_cross_entropy_on_one_channel_is_refused_at_fit():
+    x, m = lesions(4)
+    la = make_laplace(UNet(3, 1, widths=(2, 3, 4)))
+    with pytest.raises(ValueError, match=r"one logit channel.*'loss': 'bce'"):
+        la.fit(DataLoader(TensorDataset(x, m[:, 0].long()), batch_size=2))
+
+
+def test_dense_regression_is_refused_and_flat_outputs_get_the_gaussian_normaliser():
+    x, m = lesions(4)
+    y = m.expand(-1, 2, -1, -1) * 2 - 1
+    net = UNet(3, 2, widths=(2, 3, 4))
+    la = make_laplace(net, "regression", estimator="mc")
+    with pytest.raises(ValueError, match=r"n_outputs=16.*nn\.Flatten\(\)"):
+        la.fit(DataLoader(TensorDataset(x, y), batch_size=2))
+
+    flat = nn.Sequential(net, nn.Flatten())
+    la = make_laplace(flat, "regression", estimator="mc")
+    la.fit(DataLoader(TensorDataset(x, y.flatten(1)), batch_size=2))
+    assert la.n_outputs == 2 * 16 * 16
+    sigma = 1.7
+    la.sigma_noise = sigma
+    with torch.no_grad():
+        residual = (net(x) - y).square().sum()
+    n_values = y.numel()  # N · C · H · W
+    hand = -0.5 * residual / sigma**2 - n_values * math.log(sigma * math.sqrt(2 * math.pi))
+    torch.testing.assert_close(la.log_likelihood, hand, rtol=1e-12, atol=1e-9)
+    pred = predict(la, x[:1], n_samples=3)
+    assert pred.mean.shape == (1, 2 * 16 * 16)
+
+
+def test_default_seed_refit_reproduces_h_and_online_fits_add_up():
+    x, m = lesions(6)
+    net = UNet(3, 1, widths=(2, 3, 4))
+    loader = DataLoader(TensorDataset(x, m), batch_size=2)
+    la = Laplace(
+        net, "classification", subset_of_weights="all", hessian_structure="diag",
+        backend=DiagBackprop, backend_kwargs={"loss": "bce"},
+    )  # fmt: skip
+    la.fit(loader)
+    first = la.H.clone()
+    torch.manual_seed(1234)  # the global random state does not matter
+    la.fit(loader)
+    torch.testing.assert_close(la.H, first, rtol=0, atol=0)
+    online = Laplace(
+        net, "classification", subset_of_weights="all", hessian_structure="diag",
+        backend=DiagBackprop, backend_kwargs={"loss": "bce"},
+    )  # fmt: skip
+    for _ in range(3):
+        online.fit(loader, override=False)
+    torch.testing.assert_close(online.H, 3 * first, **TOL)
+    assert online.n_data == 3 * len(x)
+    # Different batches get different vectors; so does another seed.
+    seeds = {la.backend._batch_generator(xb, yb).initial_seed() for xb, yb in loader}
+    assert len(seeds) == len(loader)
+    other = make_laplace(net, loss="bce", estimator="mc", seed=1)
+    other.fit(loader)
+    assert not torch.allclose(other.H, first)
+    # seed=None: torch's global generator, a refit differs.
+    unseeded = make_laplace(net, loss="bce", estimator="mc", seed=None)
+    unseeded.fit(loader)
+    h = unseeded.H.clone()
+    unseeded.fit(loader)
+    assert not torch.allclose(unseeded.H, h)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "estimator", "mc_samples", "stochastic"),
+    [
+        ({}, "mc", 1, True),
+        ({"stochastic": True}, "mc", 1, True),
+        ({"stochastic": True, "num_samples": 3}, "mc", 3, True),
+        ({"num_samples": 2, "mc_samples": 2}, "mc", 2, True),
+        ({"estimator": "db"}, "db", 1, False),
+        ({"stochastic": False, "estimator": "db"}, "db", 1, False),
+        ({"stochastic": True, "estimator": "db_calibrated"}, "db_calibrated", 1, True),
+    ],
+    ids=[
+        "default", "stochastic", "stochastic-num-samples", "both-sample-names", "db",
+        "not-stochastic-db", "stochastic-db-calibrated",
+    ],
+)  # fmt: skip
+def test_laplace_torch_backend_kwargs_map_to_the_estimator(
+    kwargs, estimator, mc_samples, stochastic
+):
+    x, m = lesions(2)
+    la = Laplace(
+        UNet(3, 1, widths=(2, 3, 4)), "classification", subset_of_weights="all",
+        hessian_structure="diag", backend=DiagBackprop, backend_kwargs={"loss": "bce", **kwargs},
+    )  # fmt: skip
+    la.fit(DataLoader(TensorDataset(x, m), batch_size=2))
+    backend = la.backend
+    assert (backend.estimator, backend.mc_samples) == (estimator, mc_samples)
+    assert backend.stochastic is stochastic
+    assert backend.num_samples == mc_samples
+
+
+def test_gradients_are_per_sample_and_leave_grad_alone():
+    net = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 2, 1))
+    x, y = torch.randn(3, 2, 5, 5), torch.randint(0, 2, (3, 5, 5))
+    for p in net.parameters():
+        p.grad = torch.ones_like(p)
+    la = make_laplace(net)
+    Gs, loss = la.backend.gradients(x, y)
+    assert Gs.shape == (3, la.n_params)
+    for i in range(3):
+        value = nn.functional.cross_entropy(net(x[i : i + 1]), y[i : i + 1], reduction="sum")
+        expected = torch.cat([g.flatten() for g in torch.autograd.grad(value, net.parameters())])
+        torch.testing.assert_close(Gs[i], expected, **TOL)
+    torch.testing.assert_close(
+        loss, nn.functional.cross_entropy(net(x), y, reduction="sum").detach(), **TOL
+    )
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in net.parameters())
+
+
+@pytest.mark.parametrize("ignore", [255, -100], ids=["ignore-255", "ignore-minus-100"])
+def test_gridsearch_skips_ignore_index_targets(ignore):
+    x, m = lesions(4)
+    net = UNet(3, 2, widths=(2, 3, 4))
+    y = m[:, 0].long()
+    la = make_laplace(net, loss=CrossEntropy(ignore_index=ignore))
+    la.fit(DataLoader(TensorDataset(x, y), batch_size=2))
+    masked = y.clone()
+    masked[:, :4] = ignore
+    result = gridsearch_prior_precision(la, [(x, masked)], grid=[0.1, 10.0], n_samples=3)
+    # The score is the mean NLL over the labelled pixels only.
+    la.prior_precision = 0.1
+    pred = predict(la, x, 3, generator=torch.Generator().manual_seed(0))
+    picked = pred.mean.gather(1, y.unsqueeze(1)).squeeze(1)[:, 4:]
+    torch.testing.assert_close(
+        torch.tensor(result.scores[0]), -picked.log().mean(), rtol=1e-10, atol=0
+    )
+    assert math.isfinite(result.scores[1])
+
+
+def test_gridsearch_options_follow_optimize_prior_precision():
+    x, m = lesions(4)
+    net = UNet(3, 1, widths=(2, 3, 4))
+    la = make_laplace(net, loss="bce")
+    la.fit(DataLoader(TensorDataset(x, m), batch_size=2))
+    result = gridsearch_prior_precision(
+        la, [(x, m)], log_prior_prec_min=-1, log_prior_prec_max=1, grid_size=3,
+        prior_structure="layerwise", n_samples=2,
+    )  # fmt: skip
+    torch.testing.assert_close(torch.tensor(result.grid), torch.tensor([0.1, 1.0, 10.0]))
+    assert la.prior_precision.shape == (la.n_layers,)
+    assert (la.prior_precision == result.prior_precision).all()
+    gridsearch_prior_precision(la, [(x, m)], grid=[2.0], prior_structure="diag", n_samples=2)
+    assert la.prior_precision.shape == (la.n_params,)
+
+
+def test_predict_refuses_training_mode_batch_norm_and_keeps_buffers():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1))
+    x, y = torch.randn(4, 3, 6, 6), torch.randint(0, 2, (4, 6, 6))
+    la = make_laplace(net)
+    la.fit(DataLoader(TensorDataset(x, y), batch_size=2))
+    net.train()
+    before = snapshot(net)
+    with pytest.raises(ValueError, match=r"1 \(BatchNorm2d\) is in training mode.*model\.eval"):
+        predict(la, x, 3)
+    assert_unchanged(net, before)
+    net.eval()
+    before = snapshot(net)
+    predict(la, x, 3)
+    assert_unchanged(net, before)

@@ -154,9 +154,9 @@ def test_laplace_workflow(name, estimator):
     la.optimize_prior_precision(method="marglik", n_steps=20)
     prior = float(la.prior_precision)
     assert 0 < prior < float("inf")
-    best, scores = lsn_ext.gridsearch_prior_precision(la, loader, grid=[1.0, 1e2, 1e4], n_samples=3)
-    assert best in scores
-    assert all(torch.isfinite(torch.tensor(list(scores.values()))))
+    result = lsn_ext.gridsearch_prior_precision(la, loader, grid=[1.0, 1e2, 1e4], n_samples=3)
+    assert result.prior_precision in result.grid
+    assert all(torch.isfinite(torch.tensor(result.scores)))
     pred = lsn_ext.predict(la, x[:2], n_samples=4, generator=torch.Generator().manual_seed(0))
     channels = max(case.classes, 1)
     assert pred.mean.shape == (2, channels, *case.in_shape[1:])
