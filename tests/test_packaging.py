@@ -1,0 +1,193 @@
+"""Packaging: what the sdist and the wheel carry, and what ``import lsn_ext`` costs.
+
+The sdist and wheel are built by setuptools' own backend from a copy of the source tree in a
+temporary folder (about two seconds; nothing is written into the checkout, no network).
+"""
+
+import ast
+import importlib
+import shutil
+import subprocess
+import sys
+import tarfile
+import textwrap
+import zipfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import lsn_ext
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "laplace", "backpack", "stochman", "torchmetrics", "scipy")
+DATA = ("img2d.tif", "mask2d.tif", "histo.jpg", "PROVENANCE.md", "LICENSE")
+_SKIP = shutil.ignore_patterns(
+    ".git", ".venv", "*.egg-info", "build", "dist", "__pycache__", ".*_cache", ".hypothesis"
+)
+
+
+def _run(code: str, cwd: Path = ROOT) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory) -> dict[str, set[str]]:
+    """Build the sdist and the wheel from a copy of the tree; their member names, sans top dir."""
+    tmp = tmp_path_factory.mktemp("pkg")
+    src = tmp / "src"
+    shutil.copytree(ROOT, src, ignore=_SKIP)
+    out = tmp / "dist"
+    _run(
+        f"""
+        from setuptools import build_meta
+        build_meta.build_sdist({str(out)!r})
+        build_meta.build_wheel({str(out)!r})
+        """,
+        cwd=src,
+    )
+    (sdist,) = out.glob("*.tar.gz")
+    (wheel,) = out.glob("*.whl")
+    with tarfile.open(sdist) as tar:
+        sdist_names = {m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile()}
+    with zipfile.ZipFile(wheel) as zf:
+        wheel_names = set(zf.namelist())
+        (metadata,) = (n for n in wheel_names if n.endswith(".dist-info/METADATA"))
+        meta = zf.read(metadata).decode()
+    return {"sdist": sdist_names, "wheel": wheel_names, "metadata": set(meta.splitlines())}
+
+
+def _test_imports() -> set[str]:
+    """The files under tests/ that some test file imports (``tests.x`` or ``from tests import``)."""
+    needed = set()
+    for path in (ROOT / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.split(".")[0] != "tests":
+                    continue
+                base = ROOT / Path(*name.split("."))
+                for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+                    if candidate.is_file():
+                        needed.add(candidate.relative_to(ROOT).as_posix())
+    return needed
+
+
+def test_sdist_carries_the_whole_test_suite(dists):
+    tests = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "tests").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    imported = _test_imports()
+    assert {"tests/conftest.py", "tests/reference.py", "tests/rules/__init__.py"} <= tests
+    assert "tests/networks.py" in imported
+    assert not (tests | imported) - dists["sdist"]
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in dists["sdist"])
+
+
+def test_sdist_carries_licences_docs_and_data(dists):
+    top = {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "MANIFEST.in", "dev"}
+    assert not top - dists["sdist"]
+    assert not {f"lsn_ext/data/nuclei/{f}" for f in DATA} - dists["sdist"]
+    assert "integration/_common.py" in dists["sdist"]
+    assert not any(n.startswith("integration/results/") for n in dists["sdist"])
+
+
+def test_wheel_carries_data_and_licences(dists):
+    wheel = dists["wheel"]
+    assert not {f"lsn_ext/data/nuclei/{f}" for f in DATA} - wheel
+    licences = {n.split(".dist-info/", 1)[1] for n in wheel if ".dist-info/licenses/" in n}
+    assert licences == {"licenses/LICENSE", "licenses/lsn_ext/data/nuclei/LICENSE"}
+    assert not any(n.startswith("tests/") for n in wheel)
+    assert "License-Expression: MIT" in dists["metadata"]
+    assert "License-File: lsn_ext/data/nuclei/LICENSE" in dists["metadata"]
+    # lsn_ext itself does not need torchvision (laplace-torch and BackPACK declare it)
+    assert not any(line.startswith("Requires-Dist: torchvision") for line in dists["metadata"])
+
+
+def test_licence_files_say_what_they_cover():
+    assert "MIT License" in (ROOT / "LICENSE").read_text()
+    notice = (ROOT / "lsn_ext/data/nuclei/LICENSE").read_text()
+    assert "BSD 3-Clause License" in notice
+    assert "Uwe Schmidt, Martin Weigert" in notice
+    for name in ("img2d.tif", "mask2d.tif", "histo.jpg"):
+        assert name in notice
+
+
+def test_import_is_light():
+    out = _run(
+        f"""
+        import sys
+        import lsn_ext
+        assert lsn_ext.__version__
+        print(sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r})))
+        """
+    )
+    assert out.strip() == "[]"
+
+
+def test_cli_help_is_light():
+    out = _run(
+        f"""
+        import contextlib, io, sys
+        from lsn_ext.__main__ import main
+        with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):
+            main(["--help"])
+        assert "demo" in text.getvalue(), text.getvalue()
+        print(sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r})))
+        """
+    )
+    assert out.strip() == "[]"
+
+
+def test_package_names_register_stochman_layers():
+    """README, StochMan: using the package's names makes ``nnj`` layers known to the rule table."""
+    out = _run(
+        """
+        import lsn_ext
+        from stochman import nnj
+        print(type(lsn_ext.get_rule(nnj.Conv2d(1, 1, 3))).__name__)
+        print(lsn_ext.metrics.__name__)  # any submodule, public name or not, on first access
+        """
+    )
+    assert out.split() == ["ConvRule", "lsn_ext.metrics"]
+
+
+def test_every_public_name_resolves():
+    namespace = {}
+    exec("from lsn_ext import *", namespace)
+    assert set(lsn_ext.__all__) <= set(namespace)
+    for name in lsn_ext.__all__:
+        value = getattr(lsn_ext, name)
+        assert value is namespace[name]
+        if name == "__version__":
+            continue
+        source = importlib.import_module(lsn_ext._LAZY[name])
+        assert value is (source if isinstance(value, ModuleType) else getattr(source, name))
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        _ = lsn_ext.not_a_name
+    assert not hasattr(lsn_ext, "not.a.name")
+
+
+def test_lazy_table_all_and_type_checking_imports_agree():
+    tree = ast.parse((ROOT / "lsn_ext/__init__.py").read_text())
+    (block,) = (
+        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    )
+    typed = {a.asname or a.name for n in block.body for a in n.names}
+    assert set(lsn_ext._LAZY) == typed
+    assert set(lsn_ext.__all__) == typed | {"__version__"}
