@@ -254,6 +254,7 @@ class Conv1d(_DiagSandwich, nnj.Conv1d):
     """``nnj.Conv1d``; DB by :class:`~lsn_ext.rules.ConvRule`."""
 
 
+# Upstream fix: integration/upstream/stochman/0002-conv2d-sandwich-stride.patch
 class Conv2d(_DiagSandwich, nnj.Conv2d):
     """``nnj.Conv2d``; DB by :class:`~lsn_ext.rules.ConvRule` (any stride, padding, groups)."""
 
@@ -274,6 +275,7 @@ class ConvTranspose3d(_DiagSandwich, nnj.ConvTranspose3d):
     """``nnj.ConvTranspose3d``; DB by :class:`~lsn_ext.rules.ConvRule`."""
 
 
+# Upstream fix: integration/upstream/stochman/0001-upsample-sandwich-per-channel.patch
 class Upsample(_DiagSandwich, nnj.Upsample):
     """``nnj.Upsample`` with a correct diag→diag sandwich (:class:`~lsn_ext.rules.UpsampleRule`).
 
@@ -553,6 +555,7 @@ def _no_full_path(module: nn.Module, name: str, diag_inp: bool, diag_out: bool) 
     )
 
 
+# Upstream fix (Sequential sandwiches): integration/upstream/stochman/0004-skip-connection.patch
 class Sequential(_ContainerSandwich, nnj.Sequential):
     """``nnj.Sequential`` with the diag→diag sandwiches of the whole chain (LSN Alg. 3).
 
@@ -567,6 +570,7 @@ class Sequential(_ContainerSandwich, nnj.Sequential):
     own ``Sequential.forward(x, jacobian=tensor)`` fails (``if jacobian:`` on a tensor).
     """
 
+    # Upstream fix: integration/upstream/stochman/0003-sequential-jacobian-tensor.patch
     def _jacobian_wrt_input_mult_left_vec(
         self, x: Tensor, val: Tensor | None, jac_in: Tensor
     ) -> Tensor:
@@ -581,6 +585,7 @@ class Sequential(_ContainerSandwich, nnj.Sequential):
         return jac_in
 
 
+# Upstream fix: integration/upstream/stochman/0004-skip-connection.patch
 class SkipConnection(_ContainerSandwich, nnj.AbstractJacobian, nn.Module):
     r"""``SC(x) = cat([x, F(x)], dim)`` (or ``cat([F(x), x], dim)``), ``F`` a :class:`Sequential`.
 
