@@ -26,9 +26,10 @@ applied to ``Σ = diag(v)``: ``μ_k ← μ_k − v_k Σ_l μ_l / Σ_l v_l`` and
 ``v_k ← v_k (Σ_{l≠k} v_l) / Σ_l v_l`` (computed without cancellation); this is exact *for a
 diagonal Σ*, i.e. it assumes the logits are uncorrelated, which a diagonal variance map from
 :func:`lsn_ext.linearized_variance` or sampling does not guarantee. When ``1ᵀΣ1`` vanishes
-(relative to ``trace Σ``; e.g. the covariance of :func:`dirichlet_to_gaussian`, whose rows sum to
-zero) the Gaussian already lives on the zero-sum subspace up to a shift: ``Σ`` is kept and ``μ`` is
-centred, ``μ ← μ − mean(μ)`` (exact, since then ``1ᵀf = 1ᵀμ`` almost surely and the softmax
+(for a full covariance: relative to ``trace Σ``, e.g. the covariance of
+:func:`dirichlet_to_gaussian`, whose rows sum to zero; for variances: all of them zero) the
+Gaussian already lives on the zero-sum subspace up to a shift: ``Σ`` is kept and ``μ`` is centred,
+``μ ← μ − mean(μ)`` (exact, since then ``1ᵀf = 1ᵀμ`` almost surely and the softmax
 ignores shifts).
 
 Numerics. ``α`` is computed in log space,
@@ -41,6 +42,14 @@ sums to one for any input. The concentration itself is ``exp(log α)``, where, i
 (the mean ``α/α₀`` is unchanged; ``α₀`` and ``α₀²`` stay finite; such a Dirichlet is a point
 mass to working precision, with variances below ``K²/α_max``), and entries are then floored at
 the dtype's ``tiny`` so that ``α > 0``.
+
+Precision. Everything up to ``log α`` is computed in float64, whatever the input dtype (the
+zero-sum projection cancels, and float16's range caps ``α`` near ``256/K``); the result is
+returned in the input's dtype, except that float16 and bfloat16 inputs give a float32 result
+(half precision cannot hold ``α`` to useful accuracy). Logits so extreme that ``log α`` itself
+overflows the result dtype (``|μ| ≳ 1.7e38`` in float32) raise a ``ValueError``; pass float64.
+The degenerate-projection threshold below uses the input dtype's machine epsilon; a full
+covariance in a dtype too coarse for it (bfloat16, float16 with many classes) is refused.
 
 Variance floor. Input variances (the diagonal of a full covariance) must be finite and
 non-negative (``ValueError`` otherwise; a negative entry is a bug upstream, not rounding).
@@ -366,27 +375,45 @@ class LaplaceBridge:
             ValueError: Shapes that do not match, ``K < 2``, non-finite means, or non-finite
                 or negative variances.
         """
-        mu, var = self.gaussian(f_mu, f_var)
-        return BridgeDirichlet(_log_alpha(mu, var), validate_args=False)
+        mu, var, out = self._gaussian(f_mu, f_var)
+        log_alpha = _log_alpha(mu, var)
+        result = log_alpha.to(out)
+        if not bool(torch.isfinite(result).all()):
+            big = float(f_mu.detach().abs().max())
+            raise ValueError(
+                f"log α overflows {out} (largest |f_mu| = {big:.3g}: the logits are too extreme "
+                f"for {out}); pass f_mu and f_var in float64"
+            )
+        return BridgeDirichlet(result, validate_args=False)
 
     def gaussian(self, f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor]:
         """The projected (and normalised, floored) ``(μ, Σ_kk)`` that enter Eq. 19.
 
         Returns:
-            ``(μ, Σ_kk)``, both with classes *last*, ``[N, *, K]``.
+            ``(μ, Σ_kk)``, both with classes *last*, ``[N, *, K]``, in the result dtype (the
+            input's; float32 for float16 and bfloat16 inputs).
         """
+        mu, var, out = self._gaussian(f_mu, f_var)
+        return mu.to(out), var.to(out)
+
+    def _gaussian(self, f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor, torch.dtype]:
+        """``(μ, Σ_kk)`` in float64, and the dtype of the result (see the module docstring)."""
         mu, var, full = _check(f_mu, f_var)
+        out = _result_dtype(mu.dtype)
+        # The threshold for a degenerate 1ᵀΣ1 is the round-off of the *input* dtype.
+        eps = torch.finfo(mu.dtype).eps
+        mu, var = mu.double(), var.double()
         if self.project:
-            mu, var = _project(mu, var, full)
+            mu, var = _project(mu, var, full, eps)
         elif full:
             var = var.diagonal(dim1=-2, dim2=-1)
         if self.norm is not None:
             K = mu.shape[-1]
             reduce = var.mean if self.norm == "mean" else var.sum
-            c = (reduce(-1, keepdim=True) * math.sqrt(2 / K)).clamp_min(torch.finfo(var.dtype).tiny)
+            c = (reduce(-1, keepdim=True) * math.sqrt(2 / K)).clamp_min(torch.finfo(out).tiny)
             mu, var = mu / c.sqrt(), var / c
-        floor = torch.finfo(var.dtype).eps if self.min_var is None else self.min_var
-        return mu, var.clamp_min(floor)
+        floor = torch.finfo(out).eps if self.min_var is None else self.min_var
+        return mu, var.clamp_min(max(floor, torch.finfo(out).tiny)), out
 
 
 def laplace_bridge(
@@ -443,7 +470,12 @@ def _check(f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor, bool]:
     return mu, var, full
 
 
-def _project(mu: Tensor, var: Tensor, full: bool) -> tuple[Tensor, Tensor]:
+def _result_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half-precision inputs (see the module docstring), else the input's dtype."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _project(mu: Tensor, var: Tensor, full: bool, eps: float) -> tuple[Tensor, Tensor]:
     """Condition ``N(μ, Σ)`` on ``1ᵀf = 0``; returns ``(μ, diag Σ)``, classes last (new tensors)."""
     if full:
         s = var.sum(-1)  # Σ1, [N, K]
@@ -455,8 +487,18 @@ def _project(mu: Tensor, var: Tensor, full: bool) -> tuple[Tensor, Tensor]:
         total = var.sum(-1, keepdim=True)
         new_diag = var * (total - var) / total  # v_k Σ_{l≠k} v_l / Σ v, no cancellation
     K = mu.shape[-1]
-    scale = diag.abs().sum(-1, keepdim=True)
-    degenerate = total <= 64 * K * torch.finfo(mu.dtype).eps * scale
+    if full:
+        scale = diag.abs().sum(-1, keepdim=True)
+        if 64 * K * eps >= 1:
+            raise ValueError(
+                f"a full covariance with K = {K} classes in a dtype with machine epsilon {eps:.3g} "
+                "cannot be projected reliably: its rounding hides whether 1ᵀΣ1 vanishes. Pass "
+                "f_mu and f_var in float32 or float64"
+            )
+        degenerate = total <= 64 * K * eps * scale
+    else:
+        # 1ᵀΣ1 = Σ v_k ≥ max v_k: it vanishes only with all variances.
+        degenerate = total <= 0
     safe = torch.where(degenerate, torch.ones_like(total), total)
     projected_mu = mu - s * mu.sum(-1, keepdim=True) / safe
     centred_mu = mu - mu.mean(-1, keepdim=True)
@@ -495,7 +537,7 @@ def dirichlet_to_gaussian(alpha: Tensor, full: bool = False) -> tuple[Tensor, Te
             diagonal (shaped like ``alpha``).
 
     Returns:
-        ``(μ, Σ)`` in the layout of ``alpha``.
+        ``(μ, Σ)`` in the layout of ``alpha``; in float32 for a float16 or bfloat16 ``alpha``.
     """
     if alpha.dim() < 2 or alpha.shape[1] < 2:
         raise ValueError(f"alpha must be [N, K, *] with K >= 2, got {tuple(alpha.shape)}")
@@ -503,6 +545,7 @@ def dirichlet_to_gaussian(alpha: Tensor, full: bool = False) -> tuple[Tensor, Te
         raise ValueError("alpha must be positive and finite")
     if full and alpha.dim() != 2:
         raise ValueError("full covariances are available for [N, K] only")
+    alpha = alpha.to(_result_dtype(alpha.dtype))
     K = alpha.shape[1]
     log_a = alpha.log()
     mu = log_a - log_a.mean(1, keepdim=True)

@@ -112,20 +112,25 @@ def diag_backprop(
     Raises:
         NotImplementedError: A module without a rule, or an operation in ``forward`` that DB
             cannot propagate through; the message names it and where it is.
-        ValueError: Bad arguments, shapes or targets; a module in a mode without a valid rule
-            (dropout or batch norm in training mode).
+        ValueError: Bad arguments, shapes or targets (NaN included); non-finite weights
+            (naming the parameter) or inputs; an empty batch; a module in a mode without a
+            valid rule (dropout or batch norm in training mode).
+        TypeError: An integer input, or one whose dtype differs from the parameters'.
+        FloatingPointError: Non-finite logits or diagonals (overflow), naming the parameter.
     """
     loss_fn = as_loss(loss)
     if ce_first_step not in ("exact", "diag"):
         raise ValueError(f"ce_first_step must be 'exact' or 'diag', got {ce_first_step!r}")
     names, chosen = _select_params(model, params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    _check_inputs(model, args)
 
     session = _Session(model)
     with torch.enable_grad(), session:
         logits = model(*args)
     check_logits(logits)
     f = logits.detach()
+    _check_finite_logits(f)
     value = loss_fn.value(f, targets)
     # DB is linear in m. Squared derivatives shrink m quickly (saturated tanh: (1 − y²)² below
     # 1e-38), and float32 subnormals are ~10× slower on CPUs; a power-of-two scale keeps m in the
@@ -134,7 +139,7 @@ def diag_backprop(
     h_diag = loss_fn.hessian_diag(f, targets).contiguous() * scale
     if isinstance(loss_fn, CrossEntropy) and ce_first_step == "exact":
         block = loss_fn.hessian_block(f, targets) * scale
-        session.block = (session.head_indices(logits), block)
+        session.blocks.value = (session.head_indices(logits), block)
     try:
         grads = torch.autograd.grad(logits, chosen, grad_outputs=h_diag, allow_unused=True)
     except RuntimeError as err:
@@ -145,17 +150,87 @@ def diag_backprop(
             "(the output of a Tanh or Sigmoid, or the input of a layer with a rule); write that "
             f"operation out of place. PyTorch reported: {err}"
         ) from None
+    finally:
+        session.blocks.value = None
     diagonals = {
         n: torch.zeros_like(p) if g is None else g / scale
         for n, p, g in zip(names, chosen, grads, strict=True)
     }
-    if not all(torch.isfinite(d).all() for d in diagonals.values()):
-        bad = next(n for n, d in diagonals.items() if not torch.isfinite(d).all())
-        raise FloatingPointError(
-            f"the DB diagonal of '{bad}' is not finite (overflow in {f.dtype}); check the inputs "
-            "and weights for extreme values, or compute in float64"
-        )
+    _check_finite_result(diagonals, f.dtype, "DB")
     return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
+
+
+def _check_inputs(model: nn.Module, args: Sequence[Any]) -> None:
+    """Refuse non-finite weights (naming the parameter) and empty, non-finite or mistyped inputs.
+
+    A single NaN pixel or weight would otherwise make every entry of the curvature NaN (or,
+    for a NaN that is masked downstream, silently wrong).
+
+    Raises:
+        ValueError: Naming the parameter, or the input, the number of non-finite entries and
+            the first one's index; an empty batch.
+        TypeError: An integer input to a model without embeddings, or a floating input whose
+            dtype differs from the parameters'.
+    """
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            bad = int((~torch.isfinite(p)).sum())
+            raise ValueError(
+                f"parameter '{name}' {tuple(p.shape)} has {bad} non-finite (NaN or inf) "
+                "entries; the curvature of such a model is undefined. Check the training run "
+                "(divergence?) or the checkpoint"
+            )
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    takes_indices = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
+    for i, x in enumerate(args):
+        if not isinstance(x, Tensor):
+            continue
+        if not (x.is_floating_point() or x.is_complex()) and not takes_indices and dtypes:
+            raise TypeError(
+                f"input {i} has dtype {x.dtype}, but the model computes in "
+                f"{', '.join(sorted(map(str, dtypes)))}; convert the images first, e.g. "
+                "x.float() / 255"
+            )
+        if x.is_floating_point() and len(dtypes) == 1 and x.dtype not in dtypes:
+            raise TypeError(
+                f"input {i} has dtype {x.dtype} but the model's parameters are "
+                f"{next(iter(dtypes))}; convert one of them (x.to(dtype) or model.to(dtype))"
+            )
+        if x.dim() > 0 and x.shape[0] == 0:
+            raise ValueError(
+                f"input {i} has an empty batch (shape {tuple(x.shape)}); pass at least one sample"
+            )
+        if x.is_floating_point() or x.is_complex():
+            finite = torch.isfinite(x)
+            if not bool(finite.all()):
+                where = tuple(int(j) for j in (~finite).nonzero()[0])
+                raise ValueError(
+                    f"input {i} {tuple(x.shape)} has {int((~finite).sum())} non-finite (NaN or "
+                    f"inf) entries, the first at index {where}; clean or mask the input"
+                )
+
+
+def _check_finite_logits(f: Tensor) -> None:
+    """Raise ``FloatingPointError`` when the model output has non-finite entries."""
+    finite = torch.isfinite(f)
+    if not bool(finite.all()):
+        where = tuple(int(j) for j in (~finite).nonzero()[0])
+        raise FloatingPointError(
+            f"the model output {tuple(f.shape)} has {int((~finite).sum())} non-finite entries, "
+            f"the first at index {where}, although inputs and weights are finite: overflow in "
+            f"{f.dtype} or non-finite buffers (e.g. batch-norm running statistics); check them, "
+            "or compute in float64"
+        )
+
+
+def _check_finite_result(diagonals: dict[str, Tensor], dtype: torch.dtype, what: str) -> None:
+    """Raise ``FloatingPointError`` naming the first parameter whose diagonal is not finite."""
+    for name, d in diagonals.items():
+        if not bool(torch.isfinite(d).all()):
+            raise FloatingPointError(
+                f"the {what} diagonal of '{name}' is not finite (overflow in {dtype}); check the "
+                "inputs and weights for extreme values, or compute in float64"
+            )
 
 
 def check_logits(logits: Any) -> None:
@@ -205,11 +280,34 @@ def _select_params(
     return [n for n, _ in chosen], [p for _, p in chosen]
 
 
+class _Blocks:
+    """The loss Hessian's block for the head calls of one DB pass (see ``_Session.head_indices``).
+
+    Rule nodes reach it through their :class:`_Call`; it holds no reference to the session or
+    to the graph, so the graph never takes part in a reference cycle (Python's garbage collector
+    cannot free cycles that run through autograd's C++ nodes: each call would leak its graph).
+    """
+
+    def __init__(self) -> None:
+        self.value: tuple[set[int], Tensor] | None = None
+
+    def take(self, index: int) -> Tensor | None:
+        """The block for the head call ``index``, once; ``None`` for every other call."""
+        if self.value is not None and index in self.value[0]:
+            self.value[0].discard(index)
+            return self.value[1]
+        return None
+
+
 @dataclass(eq=False)
 class _Call:
-    """One application of a rule in the forward pass."""
+    """One application of a rule in the forward pass.
 
-    session: _Session
+    Deliberately without a reference to the session (see :class:`_Blocks`).
+    """
+
+    forward_mode: bool
+    blocks: _Blocks
     module: nn.Module
     rule: Rule
     run: Callable[[Tensor], Tensor]
@@ -227,7 +325,7 @@ class _RuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, x: Tensor, *params: Tensor):
         rule = call.rule
-        fwd = call.session.forward_mode
+        fwd = call.forward_mode
         inplace = getattr(call.module, "inplace", False)
         x_in = x.clone() if (rule.needs_input or fwd) and inplace else x
         y = call.run(x)
@@ -242,7 +340,10 @@ class _RuleFunction(torch.autograd.Function):
         ctx.save_for_backward(x_in if rule.needs_input else None, y if rule.needs_output else None)
         ctx.like = ((x.shape, x.dtype), (y.shape, y.dtype))
         if fwd:
-            ctx.save_for_forward(x_in, y)
+            # Not ctx.save_for_forward: it keeps the output on the node, and the output keeps
+            # the node (a cycle through C++ that leaks the graph). jvp runs once, right after
+            # forward, and drops them.
+            ctx.for_jvp = (x_in, y)
             ctx.set_materialize_grads(False)  # absent tangents (zero variance) arrive as None
             ctx.in_place = y is x
         return y
@@ -251,12 +352,13 @@ class _RuleFunction(torch.autograd.Function):
     def jvp(ctx, _call_tangent: None, v_in: Tensor | None, *param_vars: Tensor | None):
         """``v_out = rule.forward_rule(...)``: the tangents are variances, not perturbations."""
         call: _Call = ctx.call
-        if not call.session.forward_mode:
+        if not call.forward_mode:
             raise RuntimeError(
                 "forward-mode AD through diag_backprop is not supported; for the linearised "
                 "variance use lsn_ext.forward.linearized_variance"
             )
-        x, y = ctx.saved_tensors
+        x, y = ctx.for_jvp
+        del ctx.for_jvp
         var = {n: v for n, v in zip(call.param_names, param_vars, strict=True) if v is not None}
         # No grad: the session's TorchFunctionMode must not route the rule's own operations.
         with torch.no_grad():
@@ -276,7 +378,7 @@ class _RuleFunction(torch.autograd.Function):
         )
         need_input = ctx.needs_input_grad[1]
         need_params = any(ctx.needs_input_grad[2:])
-        block = call.session.take_block(call.index)
+        block = call.blocks.take(call.index)
         if block is None:
             m_in, diags = call.rule.backward(call.module, x, y, m_out, need_input, need_params)
         else:
@@ -349,7 +451,7 @@ class _Session(TorchFunctionMode):
         self.forward_mode = forward_mode
         self._paths: dict[int, str] | None = None
         self.counter = itertools.count()
-        self.block: tuple[set[int], Tensor] | None = None
+        self.blocks = _Blocks()
         self._handles: list[Any] = []
         self._patched: list[tuple[nn.Module, Any]] = []
 
@@ -467,7 +569,9 @@ class _Session(TorchFunctionMode):
         params: Sequence[Tensor] = (),
     ) -> Tensor:
         """Run ``run(x)`` as one DB node with ``rule``."""
-        call = _Call(self, module, rule, run, next(self.counter), param_names)
+        call = _Call(
+            self.forward_mode, self.blocks, module, rule, run, next(self.counter), param_names
+        )
         return _RuleFunction.apply(call, x, *params)
 
     def head_indices(self, logits: Tensor) -> set[int]:
@@ -511,13 +615,6 @@ class _Session(TorchFunctionMode):
         if self.path(call.module) != "?":
             return self.describe(call.module)
         return f"a functional {type(call.module).__name__.lower()} in forward"
-
-    def take_block(self, index: int) -> Tensor | None:
-        """The loss Hessian's block for the head call ``index`` (see :meth:`head_indices`)."""
-        if self.block is not None and index in self.block[0]:
-            self.block[0].discard(index)
-            return self.block[1]
-        return None
 
     # -- functional operations ------------------------------------------------------------------
 

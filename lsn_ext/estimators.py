@@ -49,14 +49,25 @@ maths to register: any leaf module whose forward treats the samples independentl
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.overrides import TorchFunctionMode
 
-from lsn_ext.engine import DiagBackpropResult, _select_params, check_logits, diag_backprop
+from lsn_ext.engine import (
+    DiagBackpropResult,
+    _bind,
+    _check_finite_logits,
+    _check_finite_result,
+    _check_inputs,
+    _select_params,
+    check_logits,
+    diag_backprop,
+)
 from lsn_ext.rules import RULES, Rule
 from lsn_ext.rules.losses import Loss, as_loss
 
@@ -103,9 +114,15 @@ def ggn_diagonal(
 
     Raises:
         ValueError: An unknown estimator, ``mc_samples < 1``, ``shrinkage`` outside
-            ``[0, 1]``, or anything :func:`~lsn_ext.diag_backprop` refuses.
-        NotImplementedError: For ``"mc"``, a parameter that is not owned by a leaf module, or a
-            leaf module called with other than one tensor input of the batch's size.
+            ``[0, 1]``, non-finite weights (naming the parameter) or inputs, an empty batch,
+            bad targets, or anything :func:`~lsn_ext.diag_backprop` refuses.
+        NotImplementedError: For ``"mc"``, a parameter that is not owned by a leaf module, a
+            leaf module called with other than one tensor input of the batch's size, or dropout
+            in training mode in ``forward`` (``F.dropout(x, training=True)``). A parameter tied
+            across modules is supported: its per-sample gradients from all modules and calls
+            are summed before squaring.
+        TypeError: An integer input, or one whose dtype differs from the parameters'.
+        FloatingPointError: Non-finite logits or diagonals (overflow), naming the parameter.
     """
     check_estimator(estimator, mc_samples, shrinkage)
     if estimator == "db":
@@ -168,7 +185,6 @@ class _Owner:
         self.paired = isinstance(module, _PAIRED_REPLAY)
         self.calls = 0
         self.partial: dict[str, Tensor] | None = None
-        self.total: dict[str, Tensor] = {}
 
     def sample_grads(self, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         """``J_nᵀ g_n`` w.r.t. this module's parameters, per sample: ``{name: [N, *shape]}``."""
@@ -193,43 +209,110 @@ class _Owner:
         else:
             self.partial = {k: v + grads[k] for k, v in self.partial.items()}
 
-    def flush(self, total_grads: dict[str, Tensor | None], floor: float) -> None:
-        """Check this draw's per-sample gradients against autograd's, then square and add them.
+    def describe(self) -> str:
+        """``'path' (Class)`` for error messages."""
+        return f"'{self.path}' ({type(self.module).__name__})"
 
-        ``total_grads`` maps the model's parameter names to ``Σ_n J_nᵀ s_n`` from one ordinary
-        backward pass. A parameter that autograd reaches must have been captured, and its
-        per-sample gradients must sum to autograd's (to round-off relative to the larger of
-        their magnitude): a capture that did not fire, or fired for some of the
-        module's calls only, would otherwise give a silently wrong, too small estimate.
-        ``floor`` is the largest gradient entry of the model in this draw: round-off in a
-        tensor whose gradient is structurally zero is relative to it.
-        """
-        for own, name in self.names.items():
-            expected = total_grads[name]
-            if expected is None:
-                continue
-            if self.partial is None:
-                self._lost(name, "none arrived")
-            got = self.partial[own]
-            scale = max(float(got.abs().sum(0).max()), float(expected.abs().max()))
-            err = float((got.sum(0) - expected).abs().max())
-            eps = torch.finfo(expected.dtype).eps
-            if not err <= max(1e3 * eps, 1e-9) * scale + 1e3 * eps * floor:
-                self._lost(name, f"they sum to a different gradient ({err:.3g} off at {scale:.3g})")
-        if self.partial is not None:
-            for k, v in self.partial.items():
-                sq = v.square().sum(0)
-                self.total[k] = self.total[k] + sq if k in self.total else sq
-            self.partial = None
 
-    def _lost(self, name: str, what: str) -> None:
-        raise RuntimeError(
-            f"the Monte-Carlo estimator lost the per-sample gradients of '{name}' in "
-            f"'{self.path}' ({type(self.module).__name__}): {what}, although the parameter "
-            "reaches the output. Something after the module bypasses the output it returned "
-            "(an in-place operation on it?). Write that operation out of place, or use "
-            "estimator='db'"
-        )
+def _flush(
+    owners: list[_Owner],
+    total_grads: dict[str, Tensor | None],
+    totals: dict[str, Tensor],
+) -> None:
+    """Check one draw's per-sample gradients against autograd's, then square and add them.
+
+    The per-sample gradients of a parameter are summed over all its owners (a weight tied
+    across modules) and all their calls first, then squared: ``(Σ_modules J_nᵀ s_n)²``.
+    ``total_grads`` maps the model's parameter names to ``Σ_n J_nᵀ s_n`` from one ordinary
+    backward pass. A parameter that autograd reaches must have been captured, and its
+    per-sample gradients must sum to autograd's (to round-off relative to the larger of their
+    magnitude): a capture that did not fire, or fired for some of the module's calls only, would
+    otherwise give a silently wrong, too small estimate. Round-off in a tensor whose gradient is
+    structurally zero is relative to the largest gradient entry of the model in this draw.
+    """
+    floor = max((float(g.abs().max()) for g in total_grads.values() if g is not None), default=0.0)
+    per_sample: dict[str, Tensor] = {}
+    where: dict[str, list[_Owner]] = {}
+    for owner in owners:
+        for own, name in owner.names.items():
+            where.setdefault(name, []).append(owner)
+            if owner.partial is not None:
+                g = owner.partial[own]
+                per_sample[name] = per_sample[name] + g if name in per_sample else g
+        owner.partial = None
+    for name, expected in total_grads.items():
+        if expected is None or name not in where:
+            continue
+        got = per_sample.get(name)
+        if got is None:
+            _lost(name, where[name], "none arrived")
+        scale = max(float(got.abs().sum(0).max()), float(expected.abs().max()))
+        err = float((got.sum(0) - expected).abs().max())
+        eps = torch.finfo(expected.dtype).eps
+        if not err <= max(1e3 * eps, 1e-9) * scale + 1e3 * eps * floor:
+            _lost(
+                name,
+                where[name],
+                f"they sum to a different gradient ({err:.3g} off at {scale:.3g})",
+            )
+    for name, g in per_sample.items():
+        sq = g.square().sum(0)
+        totals[name] = totals[name] + sq if name in totals else sq
+
+
+def _lost(name: str, owners: list[_Owner], what: str) -> None:
+    modules = " and ".join(o.describe() for o in owners)
+    raise RuntimeError(
+        f"the Monte-Carlo estimator lost the per-sample gradients of '{name}' in {modules}: "
+        f"{what}, although the parameter reaches the output. Something after the module "
+        "bypasses the output it returned (an in-place operation on it?). Write that operation "
+        "out of place, or use estimator='db'"
+    )
+
+
+class _RandomOpGuard(TorchFunctionMode):
+    """Refuses train-mode functional dropout in ``forward`` (a random Jacobian), as DB does."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        if name in _DROPOUT and torch.is_grad_enabled():
+            bound = _bind(args, kwargs, (("p", 0.5), ("training", True), ("inplace", False)))
+            if bound["training"] and bound["p"] > 0:
+                module = _current_module(self.model)
+                where = "the model" if module is None else f"{_describe(self.model, module)}"
+                raise NotImplementedError(
+                    f"the Monte-Carlo estimator cannot run '{name}' with training=True and "
+                    f"p={bound['p']} in the forward of {where}: dropout in training mode has a "
+                    "random Jacobian, so the GGN of one forward pass is not the model's. Call "
+                    "model.eval() or pass training=self.training"
+                )
+        return func(*args, **kwargs)
+
+
+_DROPOUT = frozenset(
+    {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout"}
+)
+
+
+def _current_module(model: nn.Module) -> nn.Module | None:
+    """The innermost module of ``model`` whose code is running (walks the Python frames)."""
+    ids = {id(m) for m in model.modules()}
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in ids:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def _describe(model: nn.Module, module: nn.Module) -> str:
+    return f"'{_path(model, module)}' ({type(module).__name__})"
 
 
 def _monte_carlo(
@@ -254,8 +337,10 @@ def _monte_carlo(
     """
     names, chosen = _select_params(model, params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    _check_inputs(model, args)
     owners = _owners(model, names, chosen)
     handles: list[Any] = []
+    taps: list[Any] = []  # the tensor hooks, removed after the backward passes
     state = {"batch": args[0].shape[0] if args and isinstance(args[0], Tensor) else None}
 
     def check(module: nn.Module, _args: Any) -> None:
@@ -283,53 +368,53 @@ def _monte_carlo(
                 return None
             tapped = out.clone() if out._is_view() else out
             owner.calls += 1
-            tapped.register_hook(lambda g: owner.add(owner.sample_grads(x, g)))
+            taps.append(tapped.register_hook(lambda g: owner.add(owner.sample_grads(x, g))))
             return tapped if tapped is not out else None
 
         return hook
 
     try:
-        for module in {id(m): m for m in model.modules()}.values():
-            rule = RULES.get(type(module))
-            if rule is not None and type(rule).check is not Rule.check:
-                handles.append(module.register_forward_pre_hook(check))
-        for owner in owners:
-            handles.append(owner.module.register_forward_hook(capture(owner), with_kwargs=True))
-        with torch.enable_grad():
-            logits = model(*args)
+        try:
+            for module in {id(m): m for m in model.modules()}.values():
+                rule = RULES.get(type(module))
+                if rule is not None and type(rule).check is not Rule.check:
+                    handles.append(module.register_forward_pre_hook(check))
+            for owner in owners:
+                handles.append(owner.module.register_forward_hook(capture(owner), with_kwargs=True))
+            with torch.enable_grad(), _RandomOpGuard(model):
+                logits = model(*args)
+        finally:
+            for handle in handles:
+                handle.remove()
+        check_logits(logits)
+        f = logits.detach()
+        _check_finite_logits(f)
+        value = loss_fn.value(f, targets)
+        if noise is None:
+            shape = (mc_samples, *f.shape)
+            noise = torch.randint(0, 2, shape, generator=generator, device=f.device)
+            noise = noise.to(f.dtype) * 2 - 1
+        vectors = loss_fn.hessian_sqrt(f, targets, noise)
+        totals: dict[str, Tensor] = {}
+        for k in range(mc_samples):
+            grads = torch.autograd.grad(
+                logits, chosen, vectors[k], retain_graph=k < mc_samples - 1, allow_unused=True
+            )
+            if k == 0:
+                _check_called(owners, names, grads)
+            _flush(owners, dict(zip(names, grads, strict=True)), totals)
     finally:
-        for handle in handles:
-            handle.remove()
-    check_logits(logits)
-    f = logits.detach()
-    value = loss_fn.value(f, targets)
-    if noise is None:
-        shape = (mc_samples, *f.shape)
-        noise = torch.randint(0, 2, shape, generator=generator, device=f.device).to(f.dtype) * 2 - 1
-    vectors = loss_fn.hessian_sqrt(f, targets, noise)
-    for k in range(mc_samples):
-        grads = torch.autograd.grad(
-            logits, chosen, vectors[k], retain_graph=k < mc_samples - 1, allow_unused=True
-        )
-        if k == 0:
-            _check_called(owners, names, grads)
-        by_name = dict(zip(names, grads, strict=True))
-        floor = max((float(g.abs().max()) for g in grads if g is not None), default=0.0)
+        # The hooks hold the module inputs; removing them lets the graph go with the call.
+        for tap in taps:
+            tap.remove()
         for owner in owners:
-            owner.flush(by_name, floor)
-    diagonals = {}
-    for owner in owners:
-        for own, name in owner.names.items():
-            d = owner.total.get(own)
-            diagonals[name] = d / mc_samples if d is not None else None
-    return DiagBackpropResult(
-        loss=value.detach(),
-        logits=f,
-        diagonals={
-            n: torch.zeros_like(p) if diagonals[n] is None else diagonals[n]
-            for n, p in zip(names, chosen, strict=True)
-        },
-    )
+            owner.partial = None
+    diagonals = {
+        n: totals[n] / mc_samples if n in totals else torch.zeros_like(p)
+        for n, p in zip(names, chosen, strict=True)
+    }
+    _check_finite_result(diagonals, f.dtype, "Monte-Carlo")
+    return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
 
 
 def _path(model: nn.Module, module: nn.Module) -> str:
@@ -337,22 +422,15 @@ def _path(model: nn.Module, module: nn.Module) -> str:
 
 
 def _owners(model: nn.Module, names: list[str], chosen: list[Tensor]) -> list[_Owner]:
-    """The leaf modules that own the chosen parameters; refuse parameters of non-leaf modules."""
+    """The leaf modules that own the chosen parameters; refuse parameters of non-leaf modules.
+
+    A parameter tied across modules (``b.weight = a.weight``) has several owners; their
+    per-sample gradients are summed before squaring (:func:`_flush`).
+    """
     wanted = {id(p): n for n, p in zip(names, chosen, strict=True)}
-    seen: dict[int, str] = {}
     owners = []
     for path, module in model.named_modules():
         own = {n: wanted[id(p)] for n, p in module._parameters.items() if id(p) in wanted}
-        for p in module._parameters.values():
-            if p is None or id(p) not in wanted:
-                continue
-            if id(p) in seen:
-                raise NotImplementedError(
-                    f"parameter '{wanted[id(p)]}' is shared by '{seen[id(p)]}' and "
-                    f"'{path or '<model>'}' ({type(module).__name__}); the Monte-Carlo "
-                    "estimator does not support parameters tied across modules"
-                )
-            seen[id(p)] = path or "<model>"
         if not own:
             continue
         if module._modules:

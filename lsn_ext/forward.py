@@ -43,7 +43,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from lsn_ext._functional import functional_call_all
-from lsn_ext.engine import _Session
+from lsn_ext.engine import _check_finite_logits, _check_inputs, _Session
 
 __all__ = ["linearized_variance"]
 
@@ -105,6 +105,7 @@ def linearized_variance(
     """
     variances = _variance_dict(model, param_variance)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
+    _check_inputs(model, args)
     named = dict(model.named_parameters())
 
     with fwAD.dual_level():
@@ -127,6 +128,14 @@ def linearized_variance(
         primal, tangent = fwAD.unpack_dual(out)
     mean = primal.detach()
     variance = torch.zeros_like(mean) if tangent is None else tangent.detach()
+    del out, primal, tangent, duals
+    _check_finite_logits(mean)
+    if not bool(torch.isfinite(variance).all()):
+        raise FloatingPointError(
+            f"the linearised variance overflows in {variance.dtype} at "
+            f"{int((~torch.isfinite(variance)).sum())} of {variance.numel()} outputs; check the "
+            "inputs, weights and param_variance for extreme values, or compute in float64"
+        )
     return mean, variance
 
 

@@ -94,7 +94,12 @@ def snapshot(model: nn.Module) -> ModelSnapshot:
 def _same(a: Tensor | None, b: Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if torch.equal(a, b):
+        return True
+    # NaN != NaN: a model with a NaN weight is unchanged if the NaNs are where they were.
+    return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _diff_module(path: str, module: nn.Module, old: _ModuleState) -> list[str]:

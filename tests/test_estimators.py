@@ -415,6 +415,39 @@ class _Tied(nn.Module):
         return self.b(self.a(x))
 
 
+class _TiedTwice(nn.Module):
+    """A weight tied across three modules, one of them called twice, tanh in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 2, 3, padding=1)
+        self.b = nn.Conv2d(2, 2, 3, padding=1)
+        self.c = nn.Conv2d(2, 2, 1)
+        self.b.weight = self.a.weight
+        self.head = nn.Conv2d(2, 3, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = torch.tanh(self.b(h)) + self.c(h)
+        return self.head(torch.tanh(self.b(h)))
+
+
+@pytest.mark.parametrize("build", [_Tied, _TiedTwice], ids=["tied-pair", "tied-called-twice"])
+def test_mc_sums_a_tied_weight_over_its_modules_before_squaring(build):
+    """``b.weight = a.weight``: per-sample gradients of all modules and calls are summed first."""
+    model = build().double()
+    x = torch.randn(3, *((1, 3, 3) if build is _Tied else (2, 4, 4)), dtype=torch.float64)
+    out_shape = model(x).shape
+    loss = CrossEntropy() if out_shape[1] > 1 else MSE()
+    y = _targets(loss, out_shape)
+    noise = torch.randn(2, *out_shape, dtype=torch.float64)
+    got = _monte_carlo(model, x, y, loss, 2, None, None, noise).diagonals
+    want = _dense_mc(model, x, y, loss, noise)
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-9)
+
+
 class _Folded(nn.Module):
     def __init__(self):
         super().__init__()
@@ -436,7 +469,6 @@ class _Kwargs(nn.Module):
 ERRORS = {
     "non-leaf-parameter": (_NonLeafParameter, (2, 1, 3, 3), "belongs to '<model>'"),
     "functional-use": (_Functional, (2, 1, 3, 3), "parameter 'b.weight' influences"),
-    "tied": (_Tied, (2, 1, 3, 3), "shared by 'a' and 'b'"),
     "folded-batch": (_Folded, (2, 2, 3), r"shape \(4, 3\) whose first dimension"),
     "two-inputs": (_Kwargs, (2, 2), "with 2 positional"),
 }

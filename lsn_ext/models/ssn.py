@@ -205,12 +205,27 @@ class SSN(nn.Module):
         return self.mean_head(self.backbone(x))
 
     def distribution(self, x: Tensor) -> SSNOutput:
-        """The logit distribution for images ``x`` ``[N, C_in, H, W]`` (see :class:`SSNOutput`)."""
+        """The logit distribution for images ``x`` ``[N, C_in, H, W]`` (see :class:`SSNOutput`).
+
+        Raises:
+            ValueError: For non-finite images or a non-finite distribution (naming which part).
+        """
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            raise ValueError(
+                f"the images {tuple(x.shape)} have {int((~torch.isfinite(x)).sum())} non-finite "
+                "(NaN or inf) entries; clean or mask them"
+            )
         h = self.backbone(x)
         mean = self.mean_head(h)
         cov_diag = self.log_diag_head(h).exp() + self.eps
         N, K, H, W = mean.shape
         factor = self.factor_head(h).view(N, self.rank, K * H * W).transpose(1, 2)
+        for name, t in (("mean", mean), ("cov_diag", cov_diag), ("cov_factor", factor)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(
+                    f"the SSN's {name} is not finite ({int((~torch.isfinite(t)).sum())} entries): "
+                    "non-finite weights, or log_diag_head overflowing exp; check the weights"
+                )
         return SSNOutput(mean, cov_diag, factor)
 
     def extra_repr(self) -> str:
@@ -229,6 +244,36 @@ def _log_likelihood(logits: Tensor, y: Tensor, pos_weight: float) -> Tensor:
     target = y.reshape(N, *logits.shape[3:]).long().expand(M, N, *logits.shape[3:])
     nll = F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1), reduction="none")
     return -nll.view(M, N, -1).sum(-1)
+
+
+def _check_targets(y: Tensor, K: int) -> None:
+    """Masks in ``[0, 1]`` for ``K = 1``; integer class indices in ``[0, K)`` otherwise."""
+    if not isinstance(y, Tensor):
+        raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
+    if K == 1:
+        yf = y.double()
+        outside = ~((yf >= 0) & (yf <= 1))  # NaN compares False: caught here
+        if bool(outside.any()):
+            raise ValueError(
+                f"binary SSN targets (K = 1) must lie in [0, 1]; found {yf[outside][0].item()} "
+                f"at {int(outside.sum())} entries"
+            )
+        return
+    if y.is_floating_point():
+        bad = ~torch.isfinite(y) | (y != y.round())
+        if bool(bad.any()):
+            raise ValueError(
+                f"SSN targets for K = {K} classes must be integer class indices; found "
+                f"{y[bad][0].item()} (dtype {y.dtype})"
+            )
+    elif y.is_complex() or y.dtype == torch.bool:
+        raise ValueError(f"SSN targets for K = {K} classes must be class indices, got {y.dtype}")
+    outside = (y < 0) | (y >= K)
+    if bool(outside.any()):
+        raise ValueError(
+            f"SSN target {y[outside][0].item()} is outside the classes [0, {K}) "
+            f"({int(outside.sum())} entries)"
+        )
 
 
 def ssn_loss(
@@ -262,7 +307,9 @@ def ssn_loss(
         The loss (a scalar, or ``[N]``).
 
     Raises:
-        ValueError: For an unknown ``reduction`` or a target that does not match the logits.
+        ValueError: For an unknown ``reduction``, a target that does not match the logits,
+            binary masks outside ``[0, 1]`` (or NaN), or class indices that are not integers
+            in ``[0, K)``.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -272,6 +319,7 @@ def ssn_loss(
             f"target of shape {tuple(y.shape)} does not match logits {tuple(output.mean.shape)}: "
             f"expected {N * H * W} entries ([N, 1, H, W] masks or [N, H, W] class indices)"
         )
+    _check_targets(y, output.mean.shape[1])
     logits = output.rsample(n_samples, antithetic=antithetic, generator=generator)
     log_lik = _log_likelihood(logits, y, pos_weight)  # [M, N]
     loss = -torch.logsumexp(log_lik, 0) + math.log(n_samples)

@@ -180,6 +180,17 @@ class Rule:
         ``H`` couples the entries of dim 1 (the classes) at each position and sample and nothing
         else: ``h_block`` has shape ``[N, C, C, *]`` for ``y`` of shape ``[N, C, *]``. Only layers
         that are linear in their input and used as a classification head implement this.
+
+        The result must be ``≥ 0``, and implementations clamp it at 0. Justification: for a
+        positive semi-definite block the exact value ``Σ_t aᵀ H a`` is ``≥ 0``. The softmax
+        block is built diagonally dominant with non-positive off-diagonal entries
+        (:meth:`~lsn_ext.rules.losses.CrossEntropy.hessian_block` uses ``p_c Σ_{l≠c} p_l``, not
+        ``p_c(1 − p_c)``, which is 0 when ``p_c`` rounds to 1), so
+        ``aᵀ H a = Σ_{c<c'} |H_cc'| (a_c − a_c')² + Σ_c (H_cc − Σ_c' |H_cc'|) a_c²`` is a sum of
+        non-negative terms. What can still fall below zero is the round-off of the sums over
+        classes and taps, a few ulp of the terms' magnitude, so the clamp changes the result by
+        no more than that round-off. (A square-root form, ``Σ_j (aᵀ B_j)²`` with ``B Bᵀ = H``,
+        would be exact in sign but cost ``C`` times more.)
         """
         raise NotImplementedError(
             f"{type(self).__name__} has no block rule for {type(module).__name__}; the exact "

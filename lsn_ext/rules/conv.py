@@ -356,7 +356,7 @@ class ConvRule(Rule):
                 ``[C_out, C_out, *spatial_out]`` for an unbatched input).
 
         Returns:
-            The diagonal, shaped like ``x``.
+            The diagonal, shaped like ``x``, clamped at 0 (see :meth:`Rule.input_rule_block`).
 
         Raises:
             ValueError: If the shapes of ``x``, ``y`` and ``h_block`` do not fit the module.
@@ -396,4 +396,4 @@ class ConvRule(Rule):
             g,
             [True, False, False],
         )[0]
-        return geo.to_input(grad_in)
+        return geo.to_input(grad_in).clamp_min(0)  # round-off only: Rule.input_rule_block

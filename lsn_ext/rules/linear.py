@@ -70,4 +70,5 @@ class LinearRule(Rule):
                 f"{tuple(y.shape)}"
             )
         W = module.weight.detach()
-        return torch.einsum("ncd,ci,di->ni", h_block, W, W)
+        # Clamped: round-off only, see Rule.input_rule_block.
+        return torch.einsum("ncd,ci,di->ni", h_block, W, W).clamp_min(0)

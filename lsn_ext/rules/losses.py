@@ -103,10 +103,12 @@ class BCEWithLogits(Loss):
         _check_reduction(reduction)
         if pos_weight is not None:
             pos_weight = torch.as_tensor(pos_weight)
-            if (pos_weight <= 0).any():
-                raise ValueError(f"pos_weight must be positive, got {pos_weight}")
-        if weight is not None and (weight < 0).any():
-            raise ValueError("weight must be non-negative")
+            if not bool((pos_weight > 0).all()) or not bool(torch.isfinite(pos_weight).all()):
+                raise ValueError(f"pos_weight must be positive and finite, got {pos_weight}")
+        if weight is not None and (
+            not bool((weight >= 0).all()) or not bool(torch.isfinite(weight).all())
+        ):
+            raise ValueError("weight must be non-negative and finite (no NaN or inf)")
         self.pos_weight, self.weight, self.reduction = pos_weight, weight, reduction
 
     def check(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -119,10 +121,14 @@ class BCEWithLogits(Loss):
                     f"{tuple(logits.shape)}; give targets shaped like the logits (or [N, *] for "
                     "[N, 1, *] logits)"
                 )
+        _check_batch(logits, targets, "BCE")
         targets = targets.to(logits.dtype)
-        if ((targets < 0) | (targets > 1)).any():
-            bad = targets[(targets < 0) | (targets > 1)][0].item()
-            raise ValueError(f"BCE targets must lie in [0, 1]; found {bad}")
+        outside = ~((targets >= 0) & (targets <= 1))  # NaN compares False: caught here
+        if bool(outside.any()):
+            bad = targets[outside][0].item()
+            raise ValueError(
+                f"BCE targets must lie in [0, 1]; found {bad} at {int(outside.sum())} entries"
+            )
         return targets
 
     def _scale(self, logits: Tensor) -> float:
@@ -171,8 +177,12 @@ class CrossEntropy(Loss):
         reduction: Reduction = "sum",
     ):
         _check_reduction(reduction)
-        if weight is not None and (weight.dim() != 1 or (weight < 0).any()):
-            raise ValueError("weight must be a 1-D tensor of non-negative class weights")
+        if weight is not None and (
+            weight.dim() != 1
+            or not bool((weight >= 0).all())
+            or not bool(torch.isfinite(weight).all())
+        ):
+            raise ValueError("weight must be a 1-D tensor of non-negative, finite class weights")
         if not 0.0 <= label_smoothing <= 1.0:
             raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
         if label_smoothing > 0 and weight is not None:
@@ -196,6 +206,7 @@ class CrossEntropy(Loss):
             raise ValueError(
                 f"cross-entropy targets must be integer class indices, got dtype {targets.dtype}"
             )
+        _check_batch(logits, targets, "cross-entropy")
         C = logits.shape[1]
         if self.weight is not None and self.weight.numel() != C:
             raise ValueError(f"weight has {self.weight.numel()} entries but the logits {C} classes")
@@ -234,15 +245,23 @@ class CrossEntropy(Loss):
     def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
         targets = self.check(logits, targets)
         p = torch.softmax(logits, 1)
-        return p * (1 - p) * self._position_weight(logits, targets).unsqueeze(1)
+        return p * _others(p) * self._position_weight(logits, targets).unsqueeze(1)
 
     def hessian_block(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """``w_y (diag p − p pᵀ)`` per position, ``[N, C, C, *]``.
+
+        The diagonal is ``p_c Σ_{l≠c} p_l`` rather than ``p_c (1 − p_c)``: when ``p_c`` rounds
+        to 1 the latter is 0 while the off-diagonal entries ``−p_c p_l`` are not, and the block
+        is indefinite (negative DB diagonals). As computed, the block is diagonally dominant
+        with non-positive off-diagonal entries (to a few ulp), hence positive semi-definite.
+        """
         targets = self.check(logits, targets)
         p = torch.softmax(logits, 1)
         w = self._position_weight(logits, targets)
         eye = torch.eye(p.shape[1], dtype=p.dtype, device=p.device)
         eye = eye.reshape(1, *eye.shape, *([1] * (p.dim() - 2)))
-        block = p.unsqueeze(2) * eye - p.unsqueeze(2) * p.unsqueeze(1)
+        diag = (p * _others(p)).unsqueeze(2) * eye
+        block = diag - (p.unsqueeze(2) * p.unsqueeze(1)) * (1 - eye)
         return block * w.unsqueeze(1).unsqueeze(1)
 
     def hessian_sqrt(self, logits: Tensor, targets: Tensor, z: Tensor) -> Tensor:
@@ -279,6 +298,14 @@ class MSE(Loss):
                 f"MSE targets of shape {tuple(targets.shape)} do not match the outputs' shape "
                 f"{tuple(logits.shape)}"
             )
+        if not (targets.is_floating_point() or targets.is_complex()):
+            targets = targets.to(logits.dtype)
+        if not bool(torch.isfinite(targets).all()):
+            bad = ~torch.isfinite(targets)
+            raise ValueError(
+                f"MSE targets have {int(bad.sum())} non-finite (NaN or inf) entries, the first "
+                f"at index {tuple(int(j) for j in bad.nonzero()[0])}; clean or mask them"
+            )
         return targets.to(logits.dtype)
 
     def value(self, logits: Tensor, targets: Tensor) -> Tensor:
@@ -290,6 +317,26 @@ class MSE(Loss):
         self.check(logits, targets)
         h = torch.full_like(logits, 2 * self.factor)
         return h / logits.numel() if self.reduction == "mean" else h
+
+
+def _others(p: Tensor) -> Tensor:
+    """``Σ_{l≠c} p_l`` over dim 1 for each ``c``, as sums of non-negative terms (no ``1 − p_c``).
+
+    Exclusive prefix plus suffix sums: accurate where ``p_c`` rounds to 1.
+    """
+    zero = torch.zeros_like(p.narrow(1, 0, 1))
+    prefix = torch.cat([zero, p.narrow(1, 0, p.shape[1] - 1).cumsum(1)], 1)
+    rev = p.flip(1)
+    suffix = torch.cat([zero, rev.narrow(1, 0, p.shape[1] - 1).cumsum(1)], 1).flip(1)
+    return prefix + suffix
+
+
+def _check_batch(logits: Tensor, targets: Tensor, what: str) -> None:
+    """Refuse targets that are not a tensor, and an empty batch."""
+    if not isinstance(targets, Tensor):
+        raise TypeError(f"{what} targets must be a tensor, got {type(targets).__name__}")
+    if logits.dim() > 0 and logits.shape[0] == 0:
+        raise ValueError(f"empty batch: logits of shape {tuple(logits.shape)}")
 
 
 _NAMES = {"bce": BCEWithLogits, "ce": CrossEntropy, "cross_entropy": CrossEntropy, "mse": MSE}
