@@ -44,6 +44,7 @@ from laplace.curvature import CurvatureInterface, GGNInterface
 from laplace.utils.utils import fix_prior_prec_structure
 from torch import Tensor, nn
 
+from lsn_ext import distributed as _dist
 from lsn_ext._functional import functional_call_all
 from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
@@ -169,6 +170,15 @@ class DiagBackprop(GGNInterface):
     seeds) still get different vectors. ``seed=None`` draws from torch's global generator
     instead (a refit then differs).
 
+    Data-parallel fits (``torchrun``, see :mod:`lsn_ext.distributed`): when ``torch.distributed``
+    is initialised with more than one rank, ``diag`` all-reduces (sums) each batch's curvature
+    and loss, so every rank ends with the ``H``, ``loss`` and ``n_data`` of a single-process fit
+    over all shards. Every rank must then make the same number of ``diag`` calls, and the ranks
+    must see each sample once per fit (no padded ``DistributedSampler``; per-rank datasets via
+    :class:`lsn_ext.distributed.ShardedLoader`). The rank is folded into the Monte-Carlo seed, so
+    ranks never share vectors, even for identical batches. A DDP-wrapped model is unwrapped (the
+    curvature runs on ``model.module``).
+
     Args:
         model: The network; any ``nn.Module`` the native engine supports, run on tensor inputs.
         likelihood: ``"classification"`` or ``"regression"`` (given by laplace-torch).
@@ -202,12 +212,15 @@ class DiagBackprop(GGNInterface):
             ``estimator="db"`` is given too. Read back, :attr:`stochastic` says whether the
             estimator draws random vectors.
         num_samples: laplace-torch's name for ``mc_samples``.
+        distributed: Sum the curvature over the ranks of an initialised ``torch.distributed``
+            process group (default). ``False``: each rank keeps its own shard's posterior.
 
     Raises:
         ValueError: For ``last_layer=True``, a loss that does not match the likelihood, a
             loss with ``reduction="mean"``, an unknown estimator, bad estimator options or
             contradictory ``stochastic``/``num_samples``/``estimator``/``mc_samples``.
-        TypeError: For a ``seed`` that is not an int or ``None``.
+        TypeError: For a ``seed`` that is not an int or ``None``, or a non-bool
+            ``distributed``.
     """
 
     def __init__(
@@ -226,6 +239,7 @@ class DiagBackprop(GGNInterface):
         seed: int | None = 0,
         stochastic: bool | None = None,
         num_samples: int | None = None,
+        distributed: bool = True,
     ):
         if last_layer:
             raise ValueError(
@@ -234,6 +248,7 @@ class DiagBackprop(GGNInterface):
             )
         # GGNInterface.__init__ would store ``stochastic``/``num_samples``; here they are
         # read-only views of the estimator, so initialise the base interface directly.
+        model = _dist.unwrap(model)
         CurvatureInterface.__init__(
             self, model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y
         )
@@ -259,6 +274,10 @@ class DiagBackprop(GGNInterface):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         self.seed = seed
+        if not isinstance(distributed, bool):
+            raise TypeError(f"distributed must be a bool, got {distributed!r}")
+        self.distributed = distributed
+        self._seen = 0  # samples summed over the ranks in the current fit
         self._checked_output = False
         self.factor = 1.0
         self.lossfunc = self.loss_fn.value
@@ -290,11 +309,60 @@ class DiagBackprop(GGNInterface):
         if self.seed is None:
             return None
         digest = hashlib.blake2b(str(self.seed).encode(), digest_size=8)
+        ranks = self._world()
+        if ranks is not None:
+            # Independent vectors per rank (identical batches on two ranks included).
+            digest.update(f"rank {ranks[0]} of {ranks[1]}".encode())
         for t in (x, y):
             digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
             digest.update(_tensor_bytes(t))
         batch_seed = int.from_bytes(digest.digest(), "little") & (2**63 - 1)
         return torch.Generator(device=x.device).manual_seed(batch_seed)
+
+    def _world(self) -> tuple[int, int] | None:
+        """``(rank, world_size)`` if ``diag`` reduces over the ranks, else ``None``."""
+        return _dist.world() if self.distributed else None
+
+    def _reduce(self, loss: Tensor, H: Tensor, batch: int, N: int | None) -> tuple[Tensor, Tensor]:
+        """Sum a batch's loss and curvature over the ranks and check the sample counts.
+
+        Two collectives per batch: the range of ``N`` over the ranks (it must agree), then the
+        sum of ``[H, loss, batch size]``. Every check depends on reduced values only, so all
+        ranks raise together instead of leaving one blocked in the next all-reduce.
+        """
+        rank, size = _dist.world() or (0, 1)
+        device = _dist.collective_device(H)
+        if N is not None:
+            ((lo, hi),) = _dist.all_reduce_range([N], device)
+            if lo != hi:
+                self._seen = 0
+                raise ValueError(
+                    f"rank {rank}: laplace-torch reports len(train_loader.dataset)={N} here, but "
+                    f"it ranges over {lo}..{hi} across the {size} ranks. Give every rank a "
+                    "DistributedSampler over the full data set, or wrap per-rank loaders in "
+                    "lsn_ext.distributed.ShardedLoader"
+                )
+        loss = torch.as_tensor(loss, device=H.device)
+        extra = torch.stack([loss.to(H.dtype).reshape(()), H.new_tensor(float(batch))])
+        total = _dist.all_reduce_sum(torch.cat([H.reshape(-1), extra]))
+        H, loss = total[:-2].view_as(H), total[-2].to(loss.dtype)
+        if N is not None:
+            self._seen += round(float(total[-1]))
+            if self._seen > N:
+                seen, self._seen = self._seen, 0
+                raise ValueError(
+                    f"rank {rank}: the {size} ranks have together fitted {seen} samples, more "
+                    f"than len(train_loader.dataset)={N} (laplace-torch's n_data). Either a "
+                    "DistributedSampler pads the shards by repeating samples (drop_last=False "
+                    f"with a data set size not divisible by {size}; see "
+                    "lsn_ext.distributed.check_loader), or each rank's loader has its own "
+                    "dataset (wrap it in lsn_ext.distributed.ShardedLoader), or an earlier fit "
+                    "stopped short of N samples (drop_last=True). Pass "
+                    "backend_kwargs={'distributed': False} for per-rank posteriors"
+                )
+            if self._seen == N:
+                self._seen = 0
+        return loss, H
 
     def _check_output(self, x: Tensor) -> None:
         """Once per backend: refuse outputs laplace-torch would mishandle."""
@@ -331,13 +399,16 @@ class DiagBackprop(GGNInterface):
         Args:
             x: Inputs ``[B, *]``.
             y: Targets as the loss expects.
-            **kwargs: ``N`` (the data-set size, passed by laplace-torch, unused).
+            **kwargs: ``N`` (the data-set size, passed by laplace-torch; with more than one
+                rank it checks that the ranks see each sample once per fit).
 
         Raises:
             TypeError: For dictionary inputs, or options other than ``N`` (laplace-torch's
                 ``asdl_fisher_kwargs``, which this backend does not use).
             ValueError: For NaN/inf inputs or targets, an empty batch, and outputs laplace-torch
-                would mishandle (dense regression, cross-entropy on one channel).
+                would mishandle (dense regression, cross-entropy on one channel), and in a
+                distributed fit for ranks that disagree on ``N`` or see more than ``N``
+                samples together (see :mod:`lsn_ext.distributed`).
         """
         unknown = sorted(set(kwargs) - {"N"})
         if unknown:
@@ -363,10 +434,12 @@ class DiagBackprop(GGNInterface):
             ce_first_step=self.ce_first_step,
             params=self.params,
         )
-        H = result.vector
+        H, loss = result.vector, result.loss
         if self.subnetwork_indices is not None:
             H = H[self.subnetwork_indices]
-        return result.loss, H
+        if self._world() is not None:
+            loss, H = self._reduce(loss, H, x.shape[0], kwargs.get("N"))
+        return loss, H
 
     def gradients(self, x: Tensor | MutableMapping[str, Any], y: Tensor) -> tuple[Tensor, Tensor]:
         """Per-sample gradients of the loss, ``([B, n_params], summed loss)``.
@@ -490,7 +563,7 @@ def _entropy(p: Tensor, link: str) -> Tensor:
 
 
 def _trainable(la: Any) -> list[tuple[str, Tensor]]:
-    named = [(n, p) for n, p in la.model.named_parameters() if p.requires_grad]
+    named = [(n, p) for n, p in _dist.unwrap(la.model).named_parameters() if p.requires_grad]
     if sum(p.numel() for _, p in named) != la.n_params:
         raise ValueError("the model's trainable parameters changed since the posterior was created")
     return named
@@ -560,15 +633,16 @@ def predict(
     x = _check_images(x)
     link = _link(la)
     named = _trainable(la)
-    _check_eval_norms(la.model, "predict")
-    buffers = dict(la.model.named_buffers())
+    model = _dist.unwrap(la.model)
+    _check_eval_norms(model, "predict")
+    buffers = dict(model.named_buffers())
     samples = la.sample(n_samples, generator=generator)
     sizes = [p.numel() for _, p in named]
     mean = m2 = expected_entropy = None
     for i, theta in enumerate(samples):
         params = {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
         params.update({n: b.clone() for n, b in buffers.items()})
-        f = functional_call_all(la.model, params, (x,))
+        f = functional_call_all(model, params, (x,))
         if not isinstance(f, Tensor) or f.dim() < 2:
             shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
             raise ValueError(f"expected logits [N, C, *], got {shape}")
@@ -718,6 +792,7 @@ def gridsearch_prior_precision(
     progress_bar: bool = False,
     verbose: bool = False,
     seed: int = 0,
+    distributed: bool | None = None,
 ) -> GridSearchResult:
     """Choose the prior precision by the per-pixel predictive NLL on validation data.
 
@@ -730,6 +805,10 @@ def gridsearch_prior_precision(
     predictive probability per labelled pixel. Like laplace-torch, it leaves
     ``la.prior_precision`` at the best value (in ``prior_structure``); unlike laplace-torch it
     also returns the scores. On an error the previous prior precision is restored.
+
+    Data-parallel (``torch.distributed`` initialised, more than one rank): each rank scores its
+    own shard of the validation data and the NLL sums and pixel counts are all-reduced per
+    candidate (one collective each), so every rank chooses the same prior precision.
 
     Args:
         la: A fitted laplace-torch ``Laplace`` with a classification likelihood.
@@ -750,7 +829,9 @@ def gridsearch_prior_precision(
             for binary ones.
         progress_bar: Show a progress bar over the candidates.
         verbose: Print the chosen prior precision.
-        seed: Seed of the common random numbers.
+        seed: Seed of the common random numbers (the same on every rank).
+        distributed: Sum the scores over the ranks. Default: as the backend's ``distributed``
+            option for :class:`DiagBackprop`, else ``True``; ignored for one process.
 
     Returns:
         The :class:`GridSearchResult` (chosen value, candidates, scores).
@@ -786,6 +867,9 @@ def gridsearch_prior_precision(
             value, prior_structure, la.n_layers, la.n_params, la._device, la._dtype
         )
 
+    if distributed is None:
+        distributed = getattr(la.backend, "distributed", True)
+    reduce = bool(distributed) and _dist.world() is not None
     previous = la.prior_precision.clone()
     scores: list[float] = []
     try:
@@ -805,6 +889,11 @@ def gridsearch_prior_precision(
                 pred = predict(la, x, n_samples, generator=gen)
                 nll, labelled = _nll(pred, y, link, ignore_index)
                 total, count, n_batches = total + nll, count + labelled, n_batches + 1
+            if reduce:
+                sums = torch.tensor([total, count, n_batches], dtype=torch.float64)
+                sums = _dist.all_reduce_sum(sums.to(_dist.collective_device(la.mean)))
+                total, n_labelled, n_seen = sums.tolist()
+                count, n_batches = round(n_labelled), round(n_seen)
             if n_batches == 0:
                 raise ValueError("val_loader yielded no batches")
             if count == 0:

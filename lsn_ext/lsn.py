@@ -27,6 +27,7 @@ from laplace.baselaplace import BaseLaplace
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from lsn_ext import distributed as _dist
 from lsn_ext._functional import functional_call_all
 from lsn_ext.estimators import Estimator
 from lsn_ext.laplace_ext import (
@@ -104,6 +105,7 @@ def fit_lsn(
     estimator: Estimator = "mc",
     mc_samples: int = 1,
     seed: int | None = 0,
+    distributed: bool = True,
 ) -> BaseLaplace:
     """Fit the LSN posterior: a diagonal Laplace approximation over backbone + mean head.
 
@@ -128,13 +130,19 @@ def fit_lsn(
         seed: Seed of the Monte-Carlo vectors: each batch's vectors are a function of
             ``(seed, batch)``, so a refit reproduces the posterior (``None``: torch's global
             generator), see :class:`lsn_ext.DiagBackprop`.
+        distributed: Under an initialised ``torch.distributed`` process group with more than
+            one rank, sum the curvature over the ranks (each rank passes its shard's loader and
+            gets the posterior of the whole data set; the rank is folded into ``seed``), see
+            :mod:`lsn_ext.distributed`. A padding or dropping ``DistributedSampler`` is refused
+            before the fit. ``False``: each rank fits its own shard.
 
     Returns:
         The fitted laplace-torch object; ``la.model`` is the :class:`MeanNetwork`.
 
     Raises:
         TypeError: If ``ssn`` is not an SSN or ``train_loader`` has no ``dataset``.
-        ValueError: If the loader's dataset is empty, and as :class:`lsn_ext.DiagBackprop`.
+        ValueError: If the loader's dataset is empty, for a ``DistributedSampler`` that pads or
+            drops samples (distributed fits), and as :class:`lsn_ext.DiagBackprop`.
     """
     if not isinstance(ssn, SSN):
         raise TypeError(f"fit_lsn takes an lsn_ext.models.SSN, got {type(ssn).__name__}")
@@ -146,6 +154,8 @@ def fit_lsn(
         )
     if len(dataset) == 0:
         raise ValueError("train_loader's dataset is empty: nothing to fit the posterior on")
+    if distributed and _dist.world() is not None:
+        _dist.check_loader(train_loader)
     loss = BCEWithLogits(pos_weight=pos_weight) if ssn.num_classes == 1 else CrossEntropy()
     la = Laplace(
         MeanNetwork(ssn),
@@ -158,6 +168,7 @@ def fit_lsn(
             "estimator": estimator,
             "mc_samples": mc_samples,
             "seed": seed,
+            "distributed": distributed,
         },
         prior_precision=prior_precision,
     )
