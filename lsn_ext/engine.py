@@ -39,7 +39,14 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from lsn_ext.rules import RULES, AvgPoolRule, Rule, UpsampleRule, get_rule
+from lsn_ext.rules import (
+    RULES,
+    AvgPoolRule,
+    Rule,
+    UpsampleRule,
+    get_rule,
+    register_adapters_for,
+)
 from lsn_ext.rules.elementwise import scale_forward_rule, scale_rule
 from lsn_ext.rules.losses import CrossEntropy, Loss, as_loss
 from lsn_ext.rules.product import product_forward_rule, product_rule
@@ -459,6 +466,7 @@ class _Session(TorchFunctionMode):
 
     def __enter__(self):
         try:
+            register_adapters_for(self.model)
             seen: set[int] = set()
             for module in self.model.modules():
                 if id(module) in seen:

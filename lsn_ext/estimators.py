@@ -68,7 +68,7 @@ from lsn_ext.engine import (
     check_logits,
     diag_backprop,
 )
-from lsn_ext.rules import RULES, Rule
+from lsn_ext.rules import RULES, Rule, register_adapters_for
 from lsn_ext.rules.losses import Loss, as_loss
 
 __all__ = ["ESTIMATORS", "ggn_diagonal"]
@@ -373,6 +373,7 @@ def _monte_carlo(
 
         return hook
 
+    register_adapters_for(model)
     try:
         try:
             for module in {id(m): m for m in model.modules()}.values():

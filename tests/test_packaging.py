@@ -167,6 +167,26 @@ def test_package_names_register_stochman_layers():
     assert out.split() == ["ConvRule", "lsn_ext.metrics"]
 
 
+def test_engines_register_stochman_layers_without_the_package_names():
+    """Importing an engine module directly still finds the rules of ``nnj`` layers."""
+    out = _run(
+        """
+        import sys
+        import torch
+        from stochman import nnj
+        from lsn_ext.engine import diag_backprop
+        from lsn_ext.estimators import ggn_diagonal
+
+        net = nnj.Sequential(nnj.Conv2d(1, 2, 3, padding=1), nnj.Tanh(), nnj.Conv2d(2, 1, 1))
+        x, y = torch.randn(2, 1, 4, 4), torch.ones(2, 1, 4, 4)
+        for d in (diag_backprop(net, x, y, "bce"), ggn_diagonal(net, x, y, "bce")):
+            print(len(d.diagonals), bool(torch.isfinite(d.vector).all()))
+        print("lsn_ext.stochman_ext" in sys.modules)
+        """
+    )
+    assert out.split() == ["4", "True", "4", "True", "True"]
+
+
 def test_every_public_name_resolves():
     namespace = {}
     exec("from lsn_ext import *", namespace)

@@ -14,6 +14,9 @@ line in :data:`RULES`, and one case in ``tests/rules``.
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 from torch import nn
 
 from lsn_ext.rules.base import Rule
@@ -60,6 +63,7 @@ __all__ = [
     "TanhRule",
     "UpsampleRule",
     "get_rule",
+    "register_adapters_for",
     "register_rule",
     "supported_modules",
 ]
@@ -130,6 +134,26 @@ def register_rule(module_cls: type[nn.Module], rule: Rule, *, override: bool = F
             "pass override=True to replace it"
         )
     RULES[module_cls] = rule
+
+
+# Libraries whose module classes get their rules when an lsn_ext adapter is imported.
+_ADAPTERS = {"stochman": "lsn_ext.stochman_ext"}
+
+
+def register_adapters_for(model: nn.Module) -> None:
+    """Import the adapters that register rules for library modules found in ``model``.
+
+    ``import lsn_ext`` is lazy, and StochMan's ``nnj`` layers get their rules when
+    :mod:`lsn_ext.stochman_ext` is imported; the engines call this before looking rules up, so a
+    model of ``nnj`` layers works whichever way lsn_ext was imported.
+    """
+    wanted = {
+        adapter
+        for module in model.modules()
+        if (adapter := _ADAPTERS.get(type(module).__module__.split(".")[0])) is not None
+    }
+    for adapter in wanted - sys.modules.keys():
+        importlib.import_module(adapter)
 
 
 def supported_modules() -> list[str]:
