@@ -11,7 +11,10 @@ from torch import Tensor
 
 __all__ = [
     "auroc",
+    "average_precision",
     "black_box",
+    "boundary_band",
+    "boundary_share",
     "box_ratio",
     "iou",
     "noise_box",
@@ -180,3 +183,74 @@ def iou(prediction: Tensor, target: Tensor) -> float:
         raise ValueError(f"masks differ in shape: {tuple(p.shape)} vs {tuple(t.shape)}")
     union = (p | t).sum().item()
     return 1.0 if union == 0 else (p & t).sum().item() / union
+
+
+def average_precision(scores: Tensor, labels: Tensor) -> float:
+    """Area under the precision-recall curve (average precision) of pixel scores for labels.
+
+    ``AP = Σ_k (R_k − R_{k−1}) P_k`` over the scores sorted in decreasing order, with tied scores
+    entering together (as scikit-learn's ``average_precision_score``). A score that ranks every
+    positive first gives 1; random scores give the positive share.
+
+    Args:
+        scores: Scores of any shape (higher: more likely positive).
+        labels: Booleans (or 0/1) of the same shape.
+
+    Raises:
+        ValueError: If the shapes differ or there is no positive label.
+    """
+    if scores.shape != labels.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and labels {tuple(labels.shape)} differ")
+    s, y = scores.flatten().double(), labels.flatten().bool()
+    n_pos = int(y.sum())
+    if n_pos == 0:
+        raise ValueError("average_precision needs at least one positive label")
+    order = torch.argsort(s, descending=True)
+    s, y = s[order], y[order].double()
+    tp, seen = torch.cumsum(y, 0), torch.arange(1, len(y) + 1, dtype=torch.float64)
+    last = torch.ones_like(s, dtype=torch.bool)
+    last[:-1] = s[1:] != s[:-1]  # the last entry of each run of tied scores
+    tp, seen = tp[last], seen[last]
+    recall_step = torch.diff(tp, prepend=tp.new_zeros(1)) / n_pos
+    return float((recall_step * tp / seen).sum())
+
+
+def boundary_band(mask: Tensor, width: int = 2) -> Tensor:
+    """Pixels within ``width`` pixels (Chebyshev distance) of a binary mask's boundary.
+
+    ``dilate_w(mask) ∧ ¬erode_w(mask)`` with a ``(2w+1) × (2w+1)`` square, where the mask's
+    boundary lies between a foreground and a background pixel; images without foreground have
+    an empty band. Pixels outside the image count as background for the dilation and as
+    foreground for the erosion, so the image border is not a boundary.
+
+    Args:
+        mask: ``[N, 1, H, W]`` (or ``[N, H, W]``) in {0, 1}.
+        width: ``w ≥ 1``.
+
+    Returns:
+        Booleans of ``mask``'s shape.
+    """
+    if width < 1:
+        raise ValueError(f"width must be at least 1, got {width}")
+    m = mask.unsqueeze(1) if mask.dim() == 3 else mask
+    m = m.double()
+    k = 2 * width + 1
+    dilated = torch.nn.functional.max_pool2d(m, k, 1, width)
+    eroded = -torch.nn.functional.max_pool2d(-m, k, 1, width)
+    band = (dilated > 0.5) & (eroded < 0.5)
+    return band.squeeze(1) if mask.dim() == 3 else band
+
+
+def boundary_share(variance: Tensor, mask: Tensor, width: int = 2) -> tuple[float, float]:
+    """Share of a variance map inside the boundary band, and the band's share of the pixels.
+
+    ``(Σ_{band} v / Σ v, |band| / |image|)`` pooled over the images (LSN Fig. 5 as a number:
+    an aleatoric map that concentrates on boundaries has a first value well above the second).
+
+    Args:
+        variance: ``[N, 1, H, W]`` non-negative maps.
+        mask: ``[N, 1, H, W]`` binary masks.
+        width: Band half-width in pixels.
+    """
+    band = boundary_band(mask, width).to(variance.dtype)
+    return float((variance * band).sum() / variance.sum()), float(band.mean())

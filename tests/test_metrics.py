@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from lsn_ext import metrics
 from lsn_ext.metrics import (
     auroc,
     black_box,
@@ -91,3 +92,43 @@ def test_iou_and_entropy_by_hand():
     assert iou(torch.zeros(3), torch.zeros(3)) == 1.0
     entropy = torch.tensor([[[0.0, 1.0], [2.0, 3.0]], [[1.0, 1.0], [1.0, 1.0]]])
     torch.testing.assert_close(per_image_entropy(entropy), torch.tensor([1.5, 1.0]))
+
+
+def _average_precision_by_thresholds(scores, labels):
+    """Reference: precision at every distinct threshold, weighted by the recall gained there."""
+    s, y = scores.flatten().tolist(), labels.flatten().tolist()
+    n_pos, ap, prev_recall = sum(y), 0.0, 0.0
+    for t in sorted(set(s), reverse=True):
+        chosen = [yi for si, yi in zip(s, y, strict=True) if si >= t]
+        recall = sum(chosen) / n_pos
+        ap += (recall - prev_recall) * sum(chosen) / len(chosen)
+        prev_recall = recall
+    return ap
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
+def test_average_precision_matches_the_threshold_definition(ties):
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.rand(200, generator=gen)
+    if ties:
+        scores = (scores * 8).floor()
+    labels = torch.rand(200, generator=gen) < 0.3 + 0.4 * (scores / scores.max())
+    expected = _average_precision_by_thresholds(scores, labels)
+    assert metrics.average_precision(scores, labels) == pytest.approx(expected, abs=1e-12)
+    assert metrics.average_precision(labels.double(), labels) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="positive"):
+        metrics.average_precision(scores, torch.zeros(200, dtype=torch.bool))
+
+
+def test_boundary_band_is_the_ring_around_the_boundary():
+    mask = torch.zeros(1, 1, 12, 12)
+    mask[0, 0, 3:9, 3:9] = 1
+    band = metrics.boundary_band(mask, 1)
+    expected = torch.zeros(12, 12, dtype=torch.bool)
+    expected[2:10, 2:10] = True
+    expected[4:8, 4:8] = False
+    assert torch.equal(band[0, 0], expected)
+    assert not metrics.boundary_band(torch.ones(1, 1, 6, 6), 2).any()
+    share, pixels = metrics.boundary_share(band.double() + 0.0, mask, 1)
+    assert share == pytest.approx(1.0)
+    assert pixels == pytest.approx(expected.double().mean().item())

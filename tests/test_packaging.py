@@ -21,7 +21,15 @@ import lsn_ext
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "laplace", "backpack", "stochman", "torchmetrics", "scipy")
-DATA = ("img2d.tif", "mask2d.tif", "histo.jpg", "PROVENANCE.md", "LICENSE")
+DATA = (
+    "img2d.tif",
+    "mask2d.tif",
+    "img3d.tif",
+    "mask3d.tif",
+    "histo.jpg",
+    "PROVENANCE.md",
+    "LICENSE",
+)
 _SKIP = shutil.ignore_patterns(
     ".git", ".venv", "*.egg-info", "build", "dist", "__pycache__", ".*_cache", ".hypothesis"
 )

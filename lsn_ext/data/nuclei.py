@@ -3,8 +3,11 @@
 Files (``lsn_ext/data/nuclei/``, see ``PROVENANCE.md`` there): ``img2d.tif``, a 512×512 uint16
 fluorescence image of cell nuclei (2018 Data Science Bowl, BBBC038, CC0) with ``mask2d.tif``, its
 hand-drawn instance labels (125 nuclei, about 20 % foreground), and ``histo.jpg``, a 300×500 RGB
-H&E tissue image without mask, used as far out-of-distribution input. All three come from the
-sample data of ``stardist==0.9.2`` (BSD-3-Clause). They are read with Pillow.
+H&E tissue image without mask, used as far out-of-distribution input. Beside them ``img3d.tif``,
+a ``[31, 61, 57]`` (z, y, x) uint16 volume of *synthetic* nuclei (stardist documents it so), and
+``mask3d.tif``, its instance labels (162 nuclei, about 38 % foreground). All five come from the
+sample data of ``stardist==0.9.2`` (BSD-3-Clause). They are read with Pillow (the 3-D files are
+multi-page TIFFs, one page per z-slice).
 
 Split: the image is cut into horizontal bands, so that no pixel of a validation or test patch is
 seen in training: rows ``[0, H − 2S)`` train, ``[H − 2S, H − S)`` validation, ``[H − S, H)`` test
@@ -18,7 +21,7 @@ from importlib import resources
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageSequence
 from torch import Tensor
 
 __all__ = [
@@ -26,12 +29,15 @@ __all__ = [
     "histology_patches",
     "load_histology",
     "load_nuclei",
+    "load_nuclei_3d",
     "nuclei_patches",
+    "nuclei_volume_slices",
     "random_flips",
 ]
 
 
-def _read(name: str) -> np.ndarray:
+def _read(name: str, *, pages: bool = False) -> np.ndarray:
+    """A shipped image as an array; with ``pages``, all pages of a multi-page TIFF stacked first."""
     path = resources.files("lsn_ext.data") / "nuclei" / name
     if not path.is_file():
         raise FileNotFoundError(
@@ -39,6 +45,8 @@ def _read(name: str) -> np.ndarray:
             "is incomplete (reinstall lsn-ext, or check [tool.setuptools.package-data])"
         )
     with path.open("rb") as f, Image.open(f) as image:
+        if pages:
+            return np.stack([np.array(page) for page in ImageSequence.Iterator(image)])
         return np.array(image)
 
 
@@ -58,6 +66,72 @@ def load_histology() -> Tensor:
     """The H&E image in grey, ``0.299 R + 0.587 G + 0.114 B``: ``[300, 500]`` float64, 0–255."""
     rgb = _read("histo.jpg").astype(np.float64)
     return torch.from_numpy(rgb @ np.array([0.299, 0.587, 0.114]))
+
+
+def load_nuclei_3d() -> tuple[Tensor, Tensor]:
+    """The synthetic 3-D nuclei volume of stardist and its binary mask.
+
+    Returns:
+        ``(volume, mask)``: ``[31, 61, 57]`` (z, y, x) float64 intensities on the file's scale
+        (104–375) and a ``[31, 61, 57]`` bool mask (``labels > 0``, about 38 % foreground).
+    """
+    volume = torch.from_numpy(_read("img3d.tif", pages=True).astype(np.float64))
+    mask = torch.from_numpy(_read("mask3d.tif", pages=True).astype(np.int64) > 0)
+    return volume, mask
+
+
+def _fit(t: Tensor, size: int, dim: int) -> Tensor:
+    """Centre-crop or reflect-pad ``t`` along ``dim`` (``-1`` or ``-2``) to length ``size``."""
+    side = t.shape[dim]
+    if side >= size:
+        start = (side - size) // 2
+        return t.narrow(dim, start, size)
+    before = (size - side) // 2
+    after = size - side - before
+    pad = (before, after, 0, 0) if dim == -1 else (0, 0, before, after)
+    return torch.nn.functional.pad(t, pad, mode="reflect")
+
+
+def nuclei_volume_slices(
+    size: int = 64, *, dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
+    """The 31 z-slices of the 3-D nuclei volume as 2-D images with masks, ``size × size``.
+
+    The intensities are standardised by the volume's own statistics,
+    ``x = (raw − mean(volume)) / std(volume)``: the volume's scale (104–375, a dim background
+    near 110) differs from the 2-D image's (0–235), so :meth:`NucleiSplits.normalise` would not
+    suit it. Each slice side (61 rows, 57 columns) is brought to ``size`` on its own: a centre
+    crop where it is longer, a reflect padding where it is shorter. Image and mask are padded
+    together, so a mirrored pixel keeps its mirrored label and the mask stays correct.
+
+    Args:
+        size: Output side ``S``; at least 8, and at most ``3 · 57 − 2 = 169`` so that the
+            reflect padding on each side stays shorter than the slice side (torch's limit).
+        dtype: Floating dtype of the tensors (default: ``torch.get_default_dtype()``).
+
+    Returns:
+        ``(images, masks)``: ``[31, 1, S, S]`` standardised images and ``[31, 1, S, S]`` masks in
+        {0, 1}, both of ``dtype``.
+
+    Raises:
+        ValueError: If ``size < 8`` or a reflect padding would be as long as the slice side.
+    """
+    volume, mask = load_nuclei_3d()
+    if size < 8:
+        raise ValueError(f"need size >= 8 for the nuclei slices; got size={size}")
+    for side in volume.shape[1:]:
+        if size > side and size - side - (size - side) // 2 >= side:
+            raise ValueError(
+                f"size={size} would need a reflect padding of {size - side - (size - side) // 2} "
+                f"pixels on a slice side of {side}, but it must be shorter than the side; use "
+                f"size <= {3 * min(volume.shape[1:]) - 2}"
+            )
+    dtype = dtype or torch.get_default_dtype()
+    images = ((volume - volume.mean()) / volume.std()).unsqueeze(1)  # [Z, 1, H, W]
+    masks = mask.to(torch.float64).unsqueeze(1)
+    for dim in (-2, -1):
+        images, masks = _fit(images, size, dim), _fit(masks, size, dim)
+    return images.to(dtype), masks.to(dtype)
 
 
 def _patches(image: Tensor, size: int, stride: int) -> Tensor:

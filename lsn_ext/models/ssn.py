@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributions import LowRankMultivariateNormal
+from torch.distributions import Distribution, Independent, LowRankMultivariateNormal, Normal
 
 from lsn_ext.models.unet import UNet
 
@@ -85,8 +85,12 @@ class SSNOutput:
         P = self.cov_factor
         return torch.diag_embed(self.cov_diag.flatten(1)) + P @ P.transpose(-1, -2)
 
-    def distribution(self) -> LowRankMultivariateNormal:
+    def distribution(self) -> Distribution:
         """The distribution as ``torch.distributions.LowRankMultivariateNormal`` over ``[N, D]``.
+
+        Rank 0 (a diagonal-only covariance, the paper's "(diag)" models) gives the same
+        distribution as ``Independent(Normal(μ, √d), 1)``, since torch's low-rank class needs a
+        factor with at least one column.
 
         torch factorises the capacitance ``I + Pᵀ diag(d)⁻¹ P`` (``r × r``) with a Cholesky
         decomposition. It is positive definite in exact arithmetic, but in float32 the
@@ -99,6 +103,8 @@ class SSNOutput:
             ValueError: If the capacitance matrix cannot be factorised even in float64.
         """
         loc, diag, factor = self.mean.flatten(1), self.cov_diag.flatten(1), self.cov_factor
+        if factor.shape[-1] == 0:
+            return Independent(Normal(loc, diag.sqrt(), validate_args=False), 1)
         try:
             return LowRankMultivariateNormal(loc, factor, diag, validate_args=False)
         except torch.linalg.LinAlgError:
@@ -138,11 +144,12 @@ class SSN(nn.Module):
         backbone: Maps ``[N, C_in, H, W]`` images to ``[N, F, H, W]`` features.
         features: ``F``.
         num_classes: ``K`` (1: binary with sigmoid).
-        rank: ``r``, the rank of the covariance factor (the LSN paper: 10).
+        rank: ``r``, the rank of the covariance factor (the LSN paper: 10; 0: diagonal only,
+            ``factor_head`` is ``None``).
         eps: ``ε``, added to the diagonal.
 
     Raises:
-        ValueError: For non-positive sizes or ``eps < 0``.
+        ValueError: For non-positive sizes, a negative rank or ``eps < 0``.
 
     Example:
         >>> ssn = SSN.with_unet(1, widths=(8, 16), rank=4)
@@ -160,16 +167,18 @@ class SSN(nn.Module):
         eps: float = 1e-5,
     ):
         super().__init__()
-        for name, value in (("features", features), ("num_classes", num_classes), ("rank", rank)):
+        for name, value in (("features", features), ("num_classes", num_classes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"rank must be a non-negative int (0: diagonal only), got {rank!r}")
         if not eps >= 0:
             raise ValueError(f"eps must be non-negative, got {eps!r}")
         self.num_classes, self.rank, self.eps = num_classes, rank, float(eps)
         self.backbone = backbone
         self.mean_head = nn.Conv2d(features, num_classes, 1)
         self.log_diag_head = nn.Conv2d(features, num_classes, 1)
-        self.factor_head = nn.Conv2d(features, num_classes * rank, 1)
+        self.factor_head = nn.Conv2d(features, num_classes * rank, 1) if rank else None
 
     @classmethod
     def with_unet(
@@ -219,7 +228,10 @@ class SSN(nn.Module):
         mean = self.mean_head(h)
         cov_diag = self.log_diag_head(h).exp() + self.eps
         N, K, H, W = mean.shape
-        factor = self.factor_head(h).view(N, self.rank, K * H * W).transpose(1, 2)
+        if self.factor_head is None:
+            factor = mean.new_zeros(N, K * H * W, 0)
+        else:
+            factor = self.factor_head(h).view(N, self.rank, K * H * W).transpose(1, 2)
         for name, t in (("mean", mean), ("cov_diag", cov_diag), ("cov_factor", factor)):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(

@@ -1,10 +1,13 @@
+import pytest
 import torch
 
 from lsn_ext.data import (
     histology_patches,
     load_histology,
     load_nuclei,
+    load_nuclei_3d,
     nuclei_patches,
+    nuclei_volume_slices,
     random_flips,
 )
 
@@ -53,3 +56,53 @@ def test_random_flips_flip_image_and_mask_together():
         assert any(torch.equal(fx[i], c) for c in candidates)
     flipped = [random_flips(x, y, torch.Generator().manual_seed(k))[0] for k in range(8)]
     assert any(not torch.equal(f, x) for f in flipped)
+
+
+def test_nuclei_3d_volume_loads():
+    volume, mask = load_nuclei_3d()
+    assert volume.shape == mask.shape == (31, 61, 57)  # PROVENANCE.md: (z, y, x)
+    assert volume.dtype == torch.float64
+    assert mask.dtype == torch.bool
+    assert volume.min() == 104
+    assert volume.max() == 375
+    assert 0.35 < mask.double().mean() < 0.42  # about 38 % foreground
+    assert volume[mask].mean() > volume[~mask].mean() + 20  # nuclei are bright
+
+
+def test_nuclei_volume_slices_are_standardised_and_keep_the_masks():
+    volume, mask = load_nuclei_3d()
+    x, y = nuclei_volume_slices(64)
+    assert x.shape == y.shape == (31, 1, 64, 64)
+    assert x.dtype == y.dtype == torch.get_default_dtype()
+    assert set(y.unique().tolist()) == {0.0, 1.0}
+    # 61 rows -> 64: reflect pad 1 above, 2 below; 57 columns -> 64: 3 left, 4 right
+    centre_x, centre_y = x[:, 0, 1:62, 3:60], y[:, 0, 1:62, 3:60]
+    torch.testing.assert_close(centre_y, mask.to(y.dtype), rtol=0, atol=0)
+    norm = (volume - volume.mean()) / volume.std()
+    torch.testing.assert_close(centre_x, norm.to(x.dtype))
+    torch.testing.assert_close(centre_x.mean().item(), 0.0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(centre_x.std().item(), 1.0, rtol=0, atol=1e-6)
+    assert abs(y.mean().item() - mask.double().mean().item()) < 0.03  # padding shifts it little
+    # reflect padding: a padded pixel equals its mirror source (edge pixel not repeated)
+    for t in (x, y):
+        torch.testing.assert_close(t[..., 0, :], t[..., 2, :])  # row -1 mirrors row 1
+        torch.testing.assert_close(t[..., 62, :], t[..., 60, :])  # row 61 mirrors row 59
+        torch.testing.assert_close(t[..., 63, :], t[..., 59, :])
+        torch.testing.assert_close(t[..., :, 0], t[..., :, 6])  # column -3 mirrors column 3
+        torch.testing.assert_close(t[..., :, 63], t[..., :, 55])  # column 60 mirrors column 56
+    assert not torch.equal(x[..., 0, :], x[..., 1, :])
+    # smaller than the slice: a centre crop; 59 crops rows [1, 60) and pads 1 column each side
+    x59, y59 = nuclei_volume_slices(59, dtype=torch.float32)
+    assert x59.shape == (31, 1, 59, 59)
+    assert x59.dtype == torch.float32
+    torch.testing.assert_close(x59[:, 0, :, 1:58], norm[:, 1:60].float())
+    torch.testing.assert_close(y59[:, 0, :, 0], y59[:, 0, :, 2])
+    x8, _ = nuclei_volume_slices(8)
+    torch.testing.assert_close(x8[:, 0], norm[:, 26:34, 24:32].to(x8.dtype))
+
+
+@pytest.mark.parametrize(("size", "match"), [(7, "size >= 8"), (170, "size <= 169")])
+def test_nuclei_volume_slices_reject_bad_sizes(size, match):
+    with pytest.raises(ValueError, match=match):
+        nuclei_volume_slices(size)
+    assert nuclei_volume_slices(169)[0].shape == (31, 1, 169, 169)

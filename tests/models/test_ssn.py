@@ -157,11 +157,11 @@ def test_capacitance_failure_recovers_in_float64_or_raises_clearly():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"rank": 0}, "rank"),
+        ({"rank": -1}, "rank"),
         ({"num_classes": 0}, "num_classes"),
         ({"eps": -1.0}, "eps"),
     ],
-    ids=["rank-0", "classes-0", "negative-eps"],
+    ids=["rank-negative", "classes-0", "negative-eps"],
 )
 def test_constructor_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -174,3 +174,21 @@ def test_loss_rejects_mismatched_target_and_reduction():
         ssn_loss(out, torch.ones(2, 1, 4, 5))
     with pytest.raises(ValueError, match="reduction"):
         ssn_loss(out, torch.ones(2, 1, 4, 4), reduction="avg")
+
+
+def test_rank_zero_is_the_diagonal_gaussian():
+    torch.manual_seed(0)
+    ssn = SSN.with_unet(2, widths=(3, 4), rank=0, eps=1e-3).double()
+    assert ssn.factor_head is None
+    x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    out = ssn.distribution(x)
+    assert out.cov_factor.shape == (2, 16, 0)
+    torch.testing.assert_close(out.covariance(), torch.diag_embed(out.cov_diag.flatten(1)))
+    y = torch.randn(2, 16, dtype=torch.float64)
+    normal = torch.distributions.Normal(out.mean.flatten(1), out.cov_diag.flatten(1).sqrt())
+    torch.testing.assert_close(out.distribution().log_prob(y), normal.log_prob(y).sum(-1))
+    samples = out.rsample(4000, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(samples.var(0), out.cov_diag, rtol=0.1, atol=0.0)
+    loss = ssn_loss(out, (torch.rand(2, 1, 4, 4) > 0.5).double())
+    loss.backward()
+    assert ssn.log_diag_head.weight.grad.abs().sum() > 0
