@@ -1,0 +1,93 @@
+"""``integration/lsn_paper.py --quick``: every part runs end to end and reports all seven models."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "integration" / "lsn_paper.py"
+
+
+@pytest.fixture(scope="module")
+def lsn_paper():
+    spec = importlib.util.spec_from_file_location("lsn_paper", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["lsn_paper"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("lsn_paper", None)
+
+
+@pytest.fixture(scope="module")
+def quick_report(lsn_paper, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lsn_paper")
+    argv = ["--quick", "--seeds", "0,1", "--nuclei-seeds", "0,1", "--workers", "1"]
+    argv += ["--cache", str(out / "cache")]
+    path = lsn_paper.main([*argv, "--out", str(out)])
+    return out, path.read_text()
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_part_for_all_seven_models(lsn_paper, quick_report):
+    out, text = quick_report
+    for heading in ("Table 1", "Table 2", "Fig. 4", "Fig. 5", "Fig. 7", "Diagnosis"):
+        assert f"## {heading}" in text
+    assert "not run" not in text
+    table1 = text.split("## Table 1")[1].split("\n## ")[0]
+    for name in lsn_paper.MODELS:
+        assert re.search(rf"^\| {re.escape(name)} \| \d\.\d{{3}} ± \d", table1, re.M), name
+    for dataset in ("lesions", "nuclei"):
+        assert f"### {dataset}" in text
+    assert "2 seeds (0, 1)" in text
+    assert (out / "lsn_paper_fig7.png").stat().st_size > 1000
+    assert "nan" not in text.lower()
+
+
+@pytest.mark.slow
+def test_rerun_uses_the_cache_and_gives_the_same_report(lsn_paper, quick_report):
+    out, text = quick_report
+    again = lsn_paper.main(
+        [
+            "--quick",
+            "--seeds",
+            "0,1",
+            "--nuclei-seeds",
+            "0,1",
+            "--cache",
+            str(out / "cache"),
+            "--out",
+            str(out / "again"),
+        ]
+    ).read_text()
+
+    def body(t: str) -> str:
+        return t.split("## Table 1")[1]
+
+    assert body(again) == body(text)
+
+
+def test_shifts_change_the_images_as_documented(lsn_paper):
+    x = torch.randn(3, 2, 16, 16, generator=torch.Generator().manual_seed(0))
+    mean = x.mean((-1, -2), keepdim=True)
+    torch.testing.assert_close(lsn_paper.shift(x, "contrast", 0.5), mean + 0.5 * (x - mean))
+    torch.testing.assert_close(lsn_paper.shift(x, "intensity", 2.0), 2 * x)
+    blurred = lsn_paper.shift(x, "blur", 1.0)
+    assert blurred.shape == x.shape
+    torch.testing.assert_close(blurred.mean(), x.mean(), atol=0.05, rtol=0)
+    assert blurred.std() < 0.7 * x.std()
+    flat = torch.ones(1, 1, 8, 8)
+    torch.testing.assert_close(lsn_paper.shift(flat, "blur", 2.0), flat)
+    noisy = lsn_paper.shift(x, "noise", 0.5)
+    assert 0.4 < (noisy - x).std() < 0.6
+    with pytest.raises(ValueError, match="unknown shift"):
+        lsn_paper.shift(x, "rotate", 1.0)
+
+
+def test_confidence_interval_is_the_t_interval(lsn_paper):
+    mean, half = lsn_paper.ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert mean == pytest.approx(3.0)
+    assert half == pytest.approx(2.776 * (2.5**0.5) / 5**0.5)
+    assert lsn_paper.ci([2.0]) == (2.0, 0.0)
