@@ -578,16 +578,28 @@ def unit_table1(cache: Cache, dataset: str, factor: int, seed: int) -> dict:
     return cache.result(f"table1-{dataset}-f{factor}-s{seed}", compute)
 
 
+def _boxed(data: Data, b: Budget, seed: int) -> tuple[Tensor, ...]:
+    """The first ``n_eval`` test images and masks, with a noise box and a black box each.
+
+    The boxes are a function of the seed, so Table 2 and the diagnosis see the same ones.
+
+    Returns:
+        ``(x, y, x_noise, box_noise, x_black, box_black)``.
+    """
+    x, y = data.test_x[: b.n_eval], data.test_y[: b.n_eval]
+    gen = torch.Generator().manual_seed(1000 + seed)
+    x_noise, box_noise = noise_box(x, generator=gen)
+    x_black, box_black = black_box(x, data.black, generator=gen)
+    return x, y, x_noise, box_noise, x_black, box_black
+
+
 def unit_eval(cache: Cache, dataset: str, seed: int) -> dict:
     """Table 2, Fig. 4 and Fig. 5 of one data set and seed (shared predictions)."""
 
     def compute() -> dict:
         b = cache.budget
         data = load_data(dataset, b)
-        x, y = data.test_x[: b.n_eval], data.test_y[: b.n_eval]
-        gen = torch.Generator().manual_seed(1000 + seed)
-        x_noise, box_noise = noise_box(x, generator=gen)
-        x_black, box_black = black_box(x, data.black, generator=gen)
+        x, y, x_noise, box_noise, x_black, box_black = _boxed(data, b, seed)
         inputs = {"id": x, "noise": x_noise, "black": x_black}
         boxes = {"noise": box_noise, "black": box_black}
         out: dict[str, dict] = {}
@@ -672,9 +684,7 @@ def unit_diagnose(cache: Cache, dataset: str, seed: int) -> dict:
     def compute() -> dict:
         b = cache.budget
         data = load_data(dataset, b)
-        x, y = data.test_x[: b.n_eval], data.test_y[: b.n_eval]
-        gen = torch.Generator().manual_seed(1000 + seed)
-        x_noise, box = noise_box(x, generator=gen)
+        x, y, x_noise, box, _, _ = _boxed(data, b, seed)
         out: dict[str, dict] = {"aleatoric": {}, "prior": {}, "estimator": {}}
         f_unet, f_ssn = EVAL_FACTORS[dataset]
         base = cache.net(specs(b)["ssn"], data, f_ssn, seed)
