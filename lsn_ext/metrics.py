@@ -251,6 +251,17 @@ def boundary_share(variance: Tensor, mask: Tensor, width: int = 2) -> tuple[floa
         variance: ``[N, 1, H, W]`` non-negative maps.
         mask: ``[N, 1, H, W]`` binary masks.
         width: Band half-width in pixels.
+
+    Raises:
+        ValueError: If the shapes differ, or the maps are not finite or sum to zero.
     """
+    if variance.shape != mask.shape:
+        raise ValueError(f"variance {tuple(variance.shape)} and mask {tuple(mask.shape)} differ")
+    total = variance.sum()
+    if not bool(torch.isfinite(variance).all()) or not total > 0:
+        raise ValueError(
+            f"boundary_share needs finite non-negative variance maps with a positive sum; got "
+            f"sum {total.item()} (a zero map has no share to split)"
+        )
     band = boundary_band(mask, width).to(variance.dtype)
-    return float((variance * band).sum() / variance.sum()), float(band.mean())
+    return float((variance * band).sum() / total), float(band.mean())

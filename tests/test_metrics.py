@@ -132,3 +132,15 @@ def test_boundary_band_is_the_ring_around_the_boundary():
     share, pixels = metrics.boundary_share(band.double() + 0.0, mask, 1)
     assert share == pytest.approx(1.0)
     assert pixels == pytest.approx(expected.double().mean().item())
+
+
+@pytest.mark.parametrize(
+    "variance",
+    [torch.zeros(1, 1, 6, 6), torch.full((1, 1, 6, 6), float("nan")), torch.ones(1, 1, 6, 5)],
+    ids=["zero-map", "nan-map", "wrong-shape"],
+)
+def test_boundary_share_refuses_maps_without_a_share(variance):
+    mask = torch.zeros(1, 1, 6, 6)
+    mask[0, 0, 2:4, 2:4] = 1
+    with pytest.raises(ValueError, match=r"boundary_share|differ"):
+        metrics.boundary_share(variance, mask)
