@@ -69,7 +69,10 @@ def tune_marglik(la: Laplace) -> float:
     return best
 
 
-TUNING = {"val. NLL": tune_prior, "marglik": lambda la, val, cfg: tune_marglik(la)}
+TUNING = {
+    "val. NLL": lambda la, val, cfg: tune_prior(la, val, replace(cfg, prior="nll")),
+    "marglik": lambda la, val, cfg: tune_marglik(la),
+}
 
 
 def run_seed(seed: int, cfg: DemoConfig) -> dict[tuple[str, str, str], dict[str, float]]:

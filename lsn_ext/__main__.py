@@ -30,6 +30,18 @@ def main(argv: list[str] | None = None) -> int:
         help="GGN-diagonal estimator of the Laplace posteriors (default: mc; db is the paper's)",
     )
     demo.add_argument("--mc-samples", type=int, default=1, help="Monte-Carlo vectors per image")
+    demo.add_argument(
+        "--prior",
+        choices=("marglik", "nll"),
+        default="marglik",
+        help="prior precision by marginal likelihood (default) or validation NLL grid search",
+    )
+    demo.add_argument(
+        "--rank",
+        type=int,
+        default=10,
+        help="SSN covariance rank (paper: 10; 0: the '(diag)' models, object-marking aleatoric)",
+    )
     demo.add_argument("--quick", action="store_true", help="tiny run (seconds), for tests")
     demo.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (0: torch's default)"
@@ -45,10 +57,11 @@ def main(argv: list[str] | None = None) -> int:
             or args.logit_samples < 2
             or args.ensemble < 0
             or args.mc_samples < 1
+            or args.rank < 0
         ):
             parser.error(
                 "need --epochs >= 1, --samples >= 2, --logit-samples >= 2, --ensemble >= 0, "
-                "--mc-samples >= 1"
+                "--mc-samples >= 1, --rank >= 0"
             )
         return run_demo(
             DemoConfig(
@@ -63,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                 threads=args.threads or None,
                 estimator=args.estimator,
                 mc_samples=args.mc_samples,
+                prior=args.prior,
+                rank=args.rank,
             )
         )
     return 2

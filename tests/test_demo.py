@@ -2,9 +2,12 @@ import csv
 import time
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from lsn_ext.__main__ import main
-from lsn_ext.demo import COLUMNS, MODELS
+from lsn_ext.demo import COLUMNS, MODELS, DemoConfig, laplace_unet, tune_prior
+from lsn_ext.models import UNet
 
 
 def test_quick_demo_writes_figure_and_tables(tmp_path, capsys):
@@ -42,3 +45,52 @@ def test_demo_refuses_bad_estimator_options(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--mc-samples", "0"])
     assert "--mc-samples >= 1" in capsys.readouterr().err
+
+
+def test_quick_demo_with_rank_0_and_the_grid_search_prior(tmp_path, capsys):
+    args = ["demo", "--quick", "--out", str(tmp_path), "--no-progress", "--ensemble", "0"]
+    assert main([*args, "--rank", "0", "--prior", "nll"]) == 0
+    out = capsys.readouterr().out
+    assert "(validation NLL grid search)" in out
+    assert (tmp_path / "figure.png").exists()
+
+
+def test_demo_refuses_bad_prior_and_rank(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--prior", "laplace"])
+    assert "invalid choice: 'laplace'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--rank", "-1"])
+    assert "--rank >= 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="prior must be one of \\['marglik', 'nll'\\]"):
+        DemoConfig(prior="gridsearch")
+    with pytest.raises(ValueError, match="rank must be >= 0"):
+        DemoConfig(rank=-2)
+
+
+@pytest.fixture
+def small_laplace():
+    torch.manual_seed(0)
+    x = torch.randn(8, 1, 16, 16)
+    y = (x > 0.3).float()
+    net = UNet(1, 1, widths=(4, 8))
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    return laplace_unet(net, loader, DemoConfig()), loader
+
+
+def test_marglik_prior_maximises_the_marginal_likelihood(small_laplace):
+    la, loader = small_laplace
+    prior = tune_prior(la, loader, DemoConfig(prior="marglik"))
+    assert la.prior_precision.numel() == 1
+    assert float(la.prior_precision) == prior
+    with torch.no_grad():
+        lml = {f: la.log_marginal_likelihood(torch.tensor(prior * f)).item() for f in (0.5, 1, 2)}
+    assert lml[1] >= max(lml[0.5], lml[2])
+    assert prior != 1.0  # it moved from laplace-torch's start
+
+
+def test_nll_prior_is_the_grid_point_of_lowest_validation_nll(small_laplace):
+    la, loader = small_laplace
+    prior = tune_prior(la, loader, DemoConfig(prior="nll"))
+    assert prior in [10.0**k for k in range(-4, 9)]
+    assert float(la.prior_precision) == prior
