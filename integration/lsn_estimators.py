@@ -69,10 +69,7 @@ def tune_marglik(la: Laplace) -> float:
     return best
 
 
-TUNING = {
-    "val. NLL": lambda la, val, cfg: tune_prior(la, val, replace(cfg, prior="nll")),
-    "marglik": lambda la, val, cfg: tune_marglik(la),
-}
+TUNING = {"val. NLL": tune_prior, "marglik": lambda la, val, cfg: tune_marglik(la)}
 
 
 def run_seed(seed: int, cfg: DemoConfig) -> dict[tuple[str, str, str], dict[str, float]]:
@@ -166,7 +163,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a smoke run (tiny data)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    cfg = DemoConfig(epochs=args.epochs, quick=args.quick, progress=False)
+    cfg = DemoConfig(epochs=args.epochs, quick=args.quick, progress=False, prior="nll")
     if args.quick:
         cfg.epochs, cfg.widths, cfg.rank, cfg.n_epistemic = 1, (4, 8), 2, 3
     print(machine())

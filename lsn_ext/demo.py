@@ -136,6 +136,14 @@ class DemoConfig:
             raise ValueError(f"prior must be one of {sorted(_PRIOR_NAMES)}, got {self.prior!r}")
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0 (0: diagonal logit covariance), got {self.rank}")
+        if self.estimator == "db" and self.prior == "marglik":
+            warnings.warn(
+                "estimator='db' underestimates the curvature's size, and the marginal likelihood "
+                "then picks far too small a prior precision (README, 'How accurate it is'); use "
+                "prior='nll' (--prior nll) with DB",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 def bce_objective(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:

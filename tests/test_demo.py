@@ -66,6 +66,8 @@ def test_demo_refuses_bad_prior_and_rank(capsys):
         DemoConfig(prior="gridsearch")
     with pytest.raises(ValueError, match="rank must be >= 0"):
         DemoConfig(rank=-2)
+    with pytest.warns(UserWarning, match="use prior='nll'"):
+        DemoConfig(estimator="db")
 
 
 @pytest.fixture
