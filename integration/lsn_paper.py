@@ -74,6 +74,7 @@ from lsn_ext.metrics import (
     auroc,
     average_precision,
     black_box,
+    boundary_band,
     boundary_share,
     box_ratio,
     iou,
@@ -628,12 +629,19 @@ def unit_eval(cache: Cache, dataset: str, seed: int) -> dict:
     return cache.result(f"eval-{dataset}-s{seed}", compute)
 
 
-def _region_means(v: Tensor, y: Tensor) -> dict[str, float]:
-    from lsn_ext.metrics import boundary_band
+_REGIONS = ("band", "fg", "bg")
 
+
+def _region_means(v: Tensor, y: Tensor) -> dict[str, float]:
+    """Mean of ``v`` within 2 px of the mask boundary, inside and outside the mask."""
     band = boundary_band(y, 2)
     inside, outside = (y > 0.5) & ~band, (y < 0.5) & ~band
-    return {k: float(v[m].mean()) for k, m in (("band", band), ("fg", inside), ("bg", outside))}
+    return {k: float(v[m].mean()) for k, m in zip(_REGIONS, (band, inside, outside), strict=True)}
+
+
+def _regions_cell(means: list[dict[str, float]]) -> str:
+    """``band / in / out`` means over seeds of :func:`_region_means` results, for a table."""
+    return " / ".join(f"{_mean([m[k] for m in means]):.2g}" for k in _REGIONS)
 
 
 def shift(x: Tensor, kind: str, strength: float) -> Tensor:
@@ -1017,10 +1025,7 @@ def report_fig5(cache: Cache, datasets: list[str], seeds_of: dict[str, list[int]
                     fmt([v["boundary_aleatoric"] for v in r]),
                     fmt([v["boundary_epistemic"] for v in r]),
                     fmt([v["boundary_pixels"] for v in r]),
-                    " / ".join(
-                        f"{_mean([v['boundary_aleatoric_mean'][k] for v in r]):.2g}"
-                        for k in ("band", "fg", "bg")
-                    ),
+                    _regions_cell([v["boundary_aleatoric_mean"] for v in r]),
                 ]
             )
     return (
@@ -1107,13 +1112,9 @@ def report_diagnose(cache: Cache, seeds: list[int]) -> str:
                 fmt([v["boundary_share"] for v in r]),
                 fmt([v["boundary_share_logit_var"] for v in r]),
                 f"{_mean([v['boundary_pixels'] for v in r]):.3f}",
-                " / ".join(f"{_mean([v['region_means'][k] for v in r]):.2g}" for k in _REGIONS),
-                " / ".join(
-                    f"{_mean([v['logit_sd_region_means'][k] for v in r]):.2g}" for k in _REGIONS
-                ),
-                " / ".join(
-                    f"{_mean([v['abs_mean_region_means'][k] for v in r]):.2g}" for k in _REGIONS
-                ),
+                _regions_cell([v["region_means"] for v in r]),
+                _regions_cell([v["logit_sd_region_means"] for v in r]),
+                _regions_cell([v["abs_mean_region_means"] for v in r]),
             ]
         )
     text = [
@@ -1189,9 +1190,6 @@ def report_diagnose(cache: Cache, seeds: list[int]) -> str:
         + f"\n\n‖H_db − H_mc‖ / ‖H_mc‖ = {rel}; Σ H_db / Σ H_mc = {ratio}."
     )
     return "\n\n".join(text)
-
-
-_REGIONS = ("band", "fg", "bg")
 
 
 def _prior_range(r: list[dict]) -> str:
