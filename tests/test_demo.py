@@ -7,6 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lsn_ext.__main__ import main
 from lsn_ext.demo import COLUMNS, MODELS, DemoConfig, laplace_unet, tune_prior
+from lsn_ext.laplace_ext import gridsearch_prior_precision
 from lsn_ext.models import UNet
 
 
@@ -94,5 +95,7 @@ def test_marglik_prior_maximises_the_marginal_likelihood(small_laplace):
 def test_nll_prior_is_the_grid_point_of_lowest_validation_nll(small_laplace):
     la, loader = small_laplace
     prior = tune_prior(la, loader, DemoConfig(prior="nll"))
-    assert prior in [10.0**k for k in range(-4, 9)]
+    grid = [10.0**k for k in range(-4, 9)]
+    direct = gridsearch_prior_precision(la, loader, grid=grid, n_samples=8)
+    assert prior == direct.prior_precision == grid[int(torch.as_tensor(direct.scores).argmin())]
     assert float(la.prior_precision) == prior
