@@ -10,17 +10,26 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "aurc",
     "auroc",
     "average_precision",
+    "binary_nll",
     "black_box",
     "boundary_band",
     "boundary_share",
     "box_ratio",
+    "brier_score",
+    "dice_per_image",
+    "expected_calibration_error",
     "iou",
     "noise_box",
+    "oracle_aurc",
     "per_image_entropy",
     "pixel_ratio",
+    "risk_coverage",
+    "roc_auc",
     "sample_boxes",
+    "spearman",
 ]
 
 
@@ -265,3 +274,238 @@ def boundary_share(variance: Tensor, mask: Tensor, width: int = 2) -> tuple[floa
         )
     band = boundary_band(mask, width).to(variance.dtype)
     return float((variance * band).sum() / total), float(band.mean())
+
+
+# ----------------------------------------------------------------------------------------------
+# Failure detection and calibration (uncertainty benchmarks)
+
+
+def _check_binary(labels: Tensor, name: str = "labels") -> Tensor:
+    """``labels`` as a flat boolean tensor; refuses anything but {0, 1} (or booleans)."""
+    if labels.dtype != torch.bool:
+        if labels.is_floating_point() and not bool(torch.isfinite(labels).all()):
+            raise ValueError(f"{name} must be binary (0/1 or booleans); got non-finite values")
+        bad = (labels != 0) & (labels != 1)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{name} must be binary (0/1 or booleans), got a value "
+                f"{labels[bad].flatten()[0].item()!r}; threshold soft labels or probabilities "
+                "first (e.g. labels > 0.5)"
+            )
+    return labels.flatten().bool()
+
+
+def _check_scores(scores: Tensor, labels: Tensor, name: str = "scores") -> tuple[Tensor, Tensor]:
+    """Flat float64 finite scores and flat boolean labels of the same shape."""
+    if scores.shape != labels.shape:
+        raise ValueError(
+            f"{name} {tuple(scores.shape)} and labels {tuple(labels.shape)} differ in shape; "
+            "pass one score per label"
+        )
+    if scores.numel() == 0:
+        raise ValueError(f"{name} and labels are empty")
+    s = scores.flatten().double()
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError(f"{name} must be finite; got NaN or inf (check the predictive)")
+    return s, _check_binary(labels)
+
+
+def _check_probabilities(probs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    p, y = _check_scores(probs, labels, "probabilities")
+    if bool(((p < 0) | (p > 1)).any()):
+        raise ValueError(
+            f"probabilities must lie in [0, 1]; got range [{p.min().item():.3g}, "
+            f"{p.max().item():.3g}] (pass sigmoid(logits), not logits)"
+        )
+    return p, y
+
+
+def _average_ranks(x: Tensor) -> Tensor:
+    """1-based ranks of a flat tensor, ties sharing their average rank (float64)."""
+    order = torch.argsort(x, stable=True)
+    xs = x[order]
+    n = len(x)
+    first = torch.ones(n, dtype=torch.bool)
+    first[1:] = xs[1:] != xs[:-1]
+    group = torch.cumsum(first.long(), 0) - 1
+    starts = torch.nonzero(first).flatten().double()
+    counts = torch.bincount(group).double()
+    mean_rank = starts + (counts + 1) / 2  # average of 1-based ranks start+1 … start+count
+    ranks = torch.empty(n, dtype=torch.float64)
+    ranks[order] = mean_rank[group]
+    return ranks
+
+
+def roc_auc(scores: Tensor, labels: Tensor) -> float:
+    """Area under the ROC curve of ``scores`` for binary ``labels`` (higher score: positive).
+
+    The Mann–Whitney statistic from average ranks, ``O(n log n)`` (for millions of pixels, where
+    :func:`auroc`'s all-pairs comparison does not fit): ``P(s⁺ > s⁻) + ½ P(s⁺ = s⁻)``, as
+    scikit-learn's ``roc_auc_score``.
+
+    Args:
+        scores: Any shape, finite (e.g. per-pixel uncertainty).
+        labels: Same shape, 0/1 or booleans (e.g. "pixel misclassified").
+
+    Raises:
+        ValueError: For mismatched shapes, non-finite scores, non-binary labels, or labels of
+            only one class.
+    """
+    s, y = _check_scores(scores, labels)
+    n_pos = int(y.sum())
+    n_neg = len(y) - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError(
+            f"roc_auc needs both classes among the labels; got {n_pos} positive and {n_neg} "
+            "negative (undefined, e.g. a prediction without any error)"
+        )
+    r = _average_ranks(s)
+    return float((r[y].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = 15) -> float:
+    """Binary expected calibration error (Guo et al. 2017) of foreground probabilities.
+
+    The prediction is ``p > ½``, its confidence ``max(p, 1 − p)``; the confidences fall in
+    ``n_bins`` equal-width bins of ``[0, 1]`` (right-closed, the first also containing 0), and
+    ``ECE = Σ_b (n_b / n) |acc_b − conf_b|``.
+
+    Args:
+        probs: Foreground probabilities in ``[0, 1]``, any shape.
+        labels: Same shape, 0/1 or booleans.
+        n_bins: Number of bins (15 as in Guo et al.).
+
+    Raises:
+        ValueError: For mismatched shapes, probabilities outside ``[0, 1]`` or non-finite,
+            non-binary labels, or ``n_bins < 1``.
+    """
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be at least 1, got {n_bins}")
+    p, y = _check_probabilities(probs, labels)
+    conf = torch.maximum(p, 1 - p)
+    correct = ((p > 0.5) == y).double()
+    b = (torch.ceil(conf * n_bins).long() - 1).clamp(0, n_bins - 1)
+    acc = torch.bincount(b, correct, minlength=n_bins)
+    cs = torch.bincount(b, conf, minlength=n_bins)
+    return float((acc - cs).abs().sum() / len(p))
+
+
+def binary_nll(probs: Tensor, labels: Tensor, eps: float = 1e-7) -> float:
+    """Mean negative log-likelihood in nats per pixel, ``−mean(y log p + (1 − y) log(1 − p))``.
+
+    ``p`` is clipped to ``[eps, 1 − eps]``.
+
+    Raises:
+        ValueError: As :func:`expected_calibration_error`.
+    """
+    p, y = _check_probabilities(probs, labels)
+    p = p.clamp(eps, 1 - eps)
+    return float(-torch.where(y, p.log(), (1 - p).log()).mean())
+
+
+def brier_score(probs: Tensor, labels: Tensor) -> float:
+    """Mean squared error ``mean((p − y)²)`` of foreground probabilities (binary Brier score).
+
+    Raises:
+        ValueError: As :func:`expected_calibration_error`.
+    """
+    p, y = _check_probabilities(probs, labels)
+    return float((p - y.double()).pow(2).mean())
+
+
+def dice_per_image(prediction: Tensor, target: Tensor) -> Tensor:
+    """Dice ``2|P ∩ T| / (|P| + |T|)`` of each image's binary masks, ``[N, …] → [N]`` float64.
+
+    Convention: an image whose prediction and mask are both empty has Dice 1 (nothing to find,
+    nothing found); one empty and the other not gives 0.
+
+    Raises:
+        ValueError: For mismatched shapes or non-binary masks.
+    """
+    if prediction.shape != target.shape:
+        raise ValueError(
+            f"prediction {tuple(prediction.shape)} and target {tuple(target.shape)} differ"
+        )
+    if prediction.dim() < 2:
+        raise ValueError(f"expected [N, …] masks, got shape {tuple(prediction.shape)}")
+    n = prediction.shape[0]
+    p = _check_binary(prediction, "prediction").view(n, -1).double()
+    t = _check_binary(target, "target").view(n, -1).double()
+    inter, total = (p * t).sum(1), p.sum(1) + t.sum(1)
+    return torch.where(total > 0, 2 * inter / total.clamp_min(1), torch.ones_like(total))
+
+
+def _check_risk(uncertainty: Tensor, risk: Tensor) -> tuple[Tensor, Tensor]:
+    if uncertainty.dim() != 1 or uncertainty.shape != risk.shape or len(risk) == 0:
+        raise ValueError(
+            f"uncertainty {tuple(uncertainty.shape)} and risk {tuple(risk.shape)} must be "
+            "non-empty 1-D tensors of the same length (one value per image)"
+        )
+    u, r = uncertainty.double(), risk.double()
+    if not bool(torch.isfinite(u).all() and torch.isfinite(r).all()):
+        raise ValueError("uncertainty and risk must be finite; got NaN or inf")
+    return u, r
+
+
+def risk_coverage(uncertainty: Tensor, risk: Tensor) -> tuple[Tensor, Tensor]:
+    """Risk–coverage curve of selective prediction (Geifman and El-Yaniv 2017).
+
+    The images are sorted by increasing uncertainty (ties keep their input order); at
+    coverage ``k / n`` the ``k`` most certain images are kept and the selective risk is their
+    mean risk.
+
+    Args:
+        uncertainty: ``[n]`` per-image uncertainty (higher: less certain).
+        risk: ``[n]`` per-image risk, e.g. ``1 − Dice``.
+
+    Returns:
+        ``(coverage, selective_risk)``, each ``[n]`` float64, coverage ``1/n … 1``.
+
+    Raises:
+        ValueError: For shapes other than two equal-length 1-D tensors or non-finite values.
+    """
+    u, r = _check_risk(uncertainty, risk)
+    order = torch.argsort(u, stable=True)
+    k = torch.arange(1, len(r) + 1, dtype=torch.float64)
+    return k / len(r), torch.cumsum(r[order], 0) / k
+
+
+def aurc(uncertainty: Tensor, risk: Tensor) -> float:
+    """Area under the risk–coverage curve (AURC); lower is better.
+
+    The mean over ``k = 1…n`` of the selective risk of the ``k`` most certain images
+    (:func:`risk_coverage`).
+
+    Raises:
+        ValueError: As :func:`risk_coverage`.
+    """
+    return float(risk_coverage(uncertainty, risk)[1].mean())
+
+
+def oracle_aurc(risk: Tensor) -> float:
+    """The smallest AURC any ranking reaches: images sorted by their own risk.
+
+    ``E-AURC = aurc(u, risk) − oracle_aurc(risk)`` is the excess over it.
+
+    Raises:
+        ValueError: As :func:`risk_coverage`.
+    """
+    return aurc(risk, risk)
+
+
+def spearman(x: Tensor, y: Tensor) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the average ranks.
+
+    Raises:
+        ValueError: For shapes other than two equal-length 1-D tensors of at least 2 values,
+            non-finite values, or a constant input (undefined correlation).
+    """
+    a, b = _check_risk(x, y)
+    if len(a) < 2:
+        raise ValueError("spearman needs at least 2 pairs")
+    ra, rb = _average_ranks(a), _average_ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = (ra.pow(2).sum() * rb.pow(2).sum()).sqrt()
+    if denom == 0:
+        raise ValueError("spearman is undefined for a constant input (all ranks tied)")
+    return float((ra * rb).sum() / denom)

@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -144,3 +145,135 @@ def test_boundary_share_refuses_maps_without_a_share(variance):
     mask[0, 0, 2:4, 2:4] = 1
     with pytest.raises(ValueError, match=r"boundary_share|differ"):
         metrics.boundary_share(variance, mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Failure detection and calibration, against independent references (float64)
+
+
+def _pixels(n=3000, seed=0, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.rand(n, generator=g, dtype=torch.float64)
+    if ties:
+        p = (p * 20).round() / 20  # many tied values, including exactly 0.5
+    y = torch.rand(n, generator=g, dtype=torch.float64) < p  # roughly calibrated
+    return p, y
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["continuous", "ties"])
+def test_roc_auc_and_average_precision_match_scikit_learn(ties):
+    sk = pytest.importorskip("sklearn.metrics")
+    p, y = _pixels(ties=ties)
+    assert metrics.roc_auc(p, y) == pytest.approx(sk.roc_auc_score(y.numpy(), p.numpy()), abs=1e-12)
+    assert metrics.average_precision(p, y) == pytest.approx(
+        sk.average_precision_score(y.numpy(), p.numpy()), abs=1e-12
+    )
+    # the all-pairs Mann–Whitney of auroc() agrees as well
+    assert metrics.roc_auc(p, y) == pytest.approx(auroc(p[~y], p[y]), abs=1e-12)
+    # 2-D inputs and 0/1 float labels give the same number
+    assert metrics.roc_auc(p.view(60, 50), y.double().view(60, 50)) == metrics.roc_auc(p, y)
+
+
+def test_nll_and_brier_match_scikit_learn():
+    sk = pytest.importorskip("sklearn.metrics")
+    p, y = _pixels(seed=1)
+    assert metrics.binary_nll(p, y) == pytest.approx(
+        sk.log_loss(y.numpy(), p.clamp(1e-7, 1 - 1e-7).numpy()), rel=1e-12
+    )
+    assert metrics.brier_score(p, y) == pytest.approx(
+        sk.brier_score_loss(y.numpy(), p.numpy()), rel=1e-12
+    )
+
+
+def _ece_brute_force(p, y, n_bins=15):
+    p, y = p.numpy(), y.numpy()
+    conf = np.maximum(p, 1 - p)
+    correct = (p > 0.5) == y
+    total = 0.0
+    for b in range(n_bins):
+        lo, hi = b / n_bins, (b + 1) / n_bins
+        inside = (conf > lo) & (conf <= hi) if b else (conf >= lo) & (conf <= hi)
+        if inside.any():
+            total += inside.mean() * abs(correct[inside].mean() - conf[inside].mean())
+    return total
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["continuous", "ties"])
+def test_ece_matches_a_loop_over_bins(ties):
+    p, y = _pixels(seed=2, ties=ties)
+    assert metrics.expected_calibration_error(p, y) == pytest.approx(
+        _ece_brute_force(p, y), abs=1e-12
+    )
+    # perfectly confident and right: 0; confident and wrong on a quarter: 0.25
+    y = torch.tensor([1, 0, 1, 0])
+    assert metrics.expected_calibration_error(y.double(), y) == 0.0
+    wrong = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    assert metrics.expected_calibration_error(wrong, y) == pytest.approx(0.25)
+
+
+def _aurc_brute_force(u, r):
+    order = np.argsort(u.numpy(), kind="stable")
+    rs = r.numpy()[order]
+    return np.mean([rs[:k].mean() for k in range(1, len(rs) + 1)])
+
+
+def test_aurc_oracle_and_risk_coverage():
+    g = torch.Generator().manual_seed(3)
+    u = torch.rand(40, generator=g, dtype=torch.float64)
+    r = (u + 0.5 * torch.rand(40, generator=g, dtype=torch.float64)).clamp(0, 1)
+    assert metrics.aurc(u, r) == pytest.approx(_aurc_brute_force(u, r), abs=1e-12)
+    assert metrics.oracle_aurc(r) == pytest.approx(_aurc_brute_force(r, r), abs=1e-12)
+    assert metrics.oracle_aurc(r) <= metrics.aurc(u, r) <= metrics.aurc(-u, r)
+    cov, risk = metrics.risk_coverage(u, r)
+    torch.testing.assert_close(cov[-1], torch.tensor(1.0, dtype=torch.float64))
+    assert risk[-1].item() == pytest.approx(r.mean().item())
+    # by hand: risks 0, 1 ranked right and wrong
+    assert metrics.aurc(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0])) == 0.25
+    assert metrics.aurc(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == 0.75
+
+
+def test_spearman_matches_scipy_with_ties():
+    stats = pytest.importorskip("scipy.stats")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 6, (50,), generator=g).double()
+    y = x + torch.randn(50, generator=g, dtype=torch.float64)
+    assert metrics.spearman(x, y) == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-12)
+    assert metrics.spearman(x, -x) == pytest.approx(-1.0)
+
+
+def test_dice_per_image_conventions():
+    pred = torch.zeros(3, 1, 4, 4, dtype=torch.bool)
+    target = torch.zeros(3, 1, 4, 4)
+    pred[1, 0, :2] = True  # 8 pixels predicted, 4 right
+    target[1, 0, 0] = 1.0
+    target[1, 0, 3] = 1.0
+    target[2, 0, 0, 0] = 1.0  # missed entirely
+    d = metrics.dice_per_image(pred, target)
+    torch.testing.assert_close(d, torch.tensor([1.0, 2 * 4 / 16, 0.0], dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "match"),
+    [
+        (metrics.roc_auc, (torch.rand(5), torch.rand(5)), "binary"),
+        (metrics.roc_auc, (torch.rand(5), torch.ones(5)), "both classes"),
+        (metrics.roc_auc, (torch.rand(5), torch.ones(4)), "shape"),
+        (metrics.roc_auc, (torch.tensor([0.1, float("nan")]), torch.tensor([0, 1])), "finite"),
+        (
+            metrics.expected_calibration_error,
+            (torch.tensor([1.5, 0.2]), torch.tensor([1, 0])),
+            r"\[0, 1\]",
+        ),
+        (metrics.binary_nll, (torch.rand(3), torch.tensor([0.0, 0.3, 1.0])), "threshold"),
+        (metrics.brier_score, (torch.rand(3, 2), torch.ones(2, 3)), "shape"),
+        (metrics.aurc, (torch.rand(3), torch.rand(4)), "same length"),
+        (metrics.aurc, (torch.rand(2, 2), torch.rand(2, 2)), "1-D"),
+        (metrics.oracle_aurc, (torch.tensor([0.1, float("inf")]),), "finite"),
+        (metrics.spearman, (torch.ones(4), torch.rand(4)), "constant"),
+        (metrics.dice_per_image, (torch.rand(2, 4), torch.ones(2, 4)), "binary"),
+        (metrics.dice_per_image, (torch.ones(2, 4), torch.ones(2, 5)), "differ"),
+    ],
+)
+def test_failure_metrics_refuse_bad_inputs(fn, args, match):
+    with pytest.raises(ValueError, match=match):
+        fn(*args)
