@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from lsn_ext import distributed as _dist
 from lsn_ext._functional import functional_call_all
 from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
+from lsn_ext.glm import linearized_tangents, sample_chunks
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
 
 __all__ = [
@@ -519,12 +520,20 @@ class SegmentationPrediction:
     refer to the foreground probability ``σ(f)``):
 
     Attributes:
-        mean: Predictive mean probability ``E[p]``, ``[N, C, *]`` (regression: mean output).
-        variance: Epistemic variance of the probabilities ``Var[p]`` across posterior samples,
-            ``[N, C, *]`` (regression: variance of the outputs).
+        mean: Predictive mean probability ``E[p]``, ``[N, C, *]`` (regression: mean output),
+            from the link approximation (see :func:`predict`).
+        variance: Epistemic variance of the probabilities ``Var[p]``, ``[N, C, *]``
+            (regression: variance of the outputs): over the samples, or the Dirichlet's with
+            ``link_approx="bridge"``.
         entropy: Predictive entropy ``H[E p]`` in nats, ``[N, *]`` (classification only).
         mutual_information: ``H[E p] − E H[p]`` (epistemic part of the entropy), ``[N, *]``.
         n_samples: Number of posterior samples used.
+        logit_mean: Mean of the logits ``[N, C, *]``: ``f(x; θ*)`` for the GLM predictive, the
+            sample mean for the sampling one (``None`` where not computed).
+        logit_variance: Per-output variance of the logits ``[N, C, *]``: the estimate of
+            ``diag(J Σ Jᵀ)`` for the GLM predictive, the sample variance for the sampling one.
+        pred_type: ``"glm"`` or ``"nn"``.
+        link_approx: ``"mc"``, ``"probit"`` or ``"bridge"``.
     """
 
     mean: Tensor
@@ -532,9 +541,15 @@ class SegmentationPrediction:
     entropy: Tensor | None
     mutual_information: Tensor | None
     n_samples: int
+    logit_mean: Tensor | None = None
+    logit_variance: Tensor | None = None
+    pred_type: str = "nn"
+    link_approx: str = "mc"
 
 
 _LINKS = ("softmax", "sigmoid", "identity")
+PRED_TYPES = ("glm", "nn")
+LINK_APPROXES = ("mc", "probit", "bridge")
 
 
 def _link(la: Any) -> str:
@@ -587,92 +602,302 @@ def _check_n_samples(n_samples: Any) -> None:
         )
 
 
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+def _check_logits(f: Any, link: str) -> Tensor:
+    if not isinstance(f, Tensor) or f.dim() < 2:
+        shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
+        raise ValueError(f"expected logits [N, C, *], got {shape}")
+    if link == "softmax" and f.shape[1] == 1:
+        raise ValueError(
+            f"a softmax over one logit channel (logits {tuple(f.shape)}) is 1 everywhere: "
+            "this posterior has no BCE loss. For binary segmentation create the Laplace "
+            "with backend_kwargs={'loss': 'bce'} (also when loading a state_dict: "
+            "laplace-torch does not save the backend's loss)"
+        )
+    return f
+
+
+def _probs(f: Tensor, link: str) -> Tensor:
+    if link == "softmax":
+        return torch.softmax(f, 1)
+    if link == "sigmoid":
+        return torch.sigmoid(f)
+    return f
+
+
+def _outer(t: Tensor) -> Tensor:
+    """Per-position outer product over the class axis: ``[N, C, *]`` → ``[N, C, C, *]``."""
+    return t.unsqueeze(2) * t.unsqueeze(1)
+
+
+class _Moments:
+    """Running moments over samples (Welford): of the probabilities, their entropy and the logits.
+
+    ``full`` also keeps the per-position covariance of the logits over the class axis
+    ``[N, C, C, *]`` (for the Laplace Bridge with a softmax link).
+    """
+
+    def __init__(self, link: str, full: bool):
+        self.link, self.full, self.count = link, full, 0
+        self.p_mean = self.p_m2 = self.entropy = self.f_mean = self.f_m2 = None
+
+    def add(self, f: Tensor, logits: bool) -> None:
+        self.count += 1
+        k = self.count
+        p = _probs(f, self.link)
+        if self.p_mean is None:
+            self.p_mean, self.p_m2 = torch.zeros_like(p), torch.zeros_like(p)
+            if self.link != "identity":
+                self.entropy = torch.zeros_like(p[:, 0])
+        delta = p - self.p_mean
+        self.p_mean += delta / k
+        self.p_m2 += delta * (p - self.p_mean)
+        if self.entropy is not None:
+            self.entropy += (_entropy(p, self.link) - self.entropy) / k
+        if logits:
+            if self.f_mean is None:
+                self.f_mean = torch.zeros_like(f)
+                self.f_m2 = torch.zeros_like(_outer(f) if self.full else f)
+            delta = f - self.f_mean
+            self.f_mean += delta / k
+            after = f - self.f_mean
+            self.f_m2 += delta.unsqueeze(2) * after.unsqueeze(1) if self.full else delta * after
+
+
+def _nn_logits(
+    la: Any, model: nn.Module, named: list[tuple[str, Tensor]], x: Tensor, n: int, generator: Any
+) -> Iterator[Tensor]:
+    """Logits of the network at ``n`` posterior draws (the sampling predictive)."""
+    buffers = dict(model.named_buffers())
+    sizes = [p.numel() for _, p in named]
+    for chunk in sample_chunks(la.sample, n, la.n_params, generator):
+        for theta in chunk:
+            params = {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
+            params.update({n: b.clone() for n, b in buffers.items()})
+            yield functional_call_all(model, params, (x,))
+
+
+def _posterior_mean(la: Any, named: list[tuple[str, Tensor]]) -> Tensor:
+    mean = getattr(la, "mean", None)
+    P = sum(p.numel() for _, p in named)
+    if not isinstance(mean, Tensor) or mean.shape != (P,):
+        shape = tuple(mean.shape) if isinstance(mean, Tensor) else type(mean).__name__
+        raise ValueError(
+            f"the GLM predictive linearises at the posterior mean, which must be a vector [{P}] "
+            f"over the trainable parameters; la.mean is {shape}. Use pred_type='nn'"
+        )
+    from lsn_ext.vi import GaussianMixture
+
+    if isinstance(getattr(la, "q", None), GaussianMixture):
+        raise ValueError(
+            "the GLM predictive of a Gaussian mixture would linearise every component at the "
+            "mixture's mean; use pred_type='nn' for a GaussianMixture posterior"
+        )
+    return mean.detach()
+
+
+def glm_logits(
+    la: Any, model: nn.Module, named: list[tuple[str, Tensor]], x: Tensor, n: int, generator: Any
+) -> tuple[Tensor, Iterator[Tensor]]:
+    """``f(x; θ*)`` and the products ``J δ_s`` of ``⌈n/2⌉`` posterior draws ``θ* + δ_s``.
+
+    The draws are ``la.sample`` in chunks; the antithetic partner ``θ* − δ_s`` of each is left to
+    the caller (see :mod:`lsn_ext.glm`).
+    """
+    mean = _posterior_mean(la, named)
+    pairs = (n + 1) // 2
+    deltas = (
+        theta - mean
+        for chunk in sample_chunks(la.sample, pairs, la.n_params, generator)
+        for theta in chunk
+    )
+    return linearized_tangents(model, [n for n, _ in named], mean, x, deltas)
+
+
+def _bridge_maps(link: str, f_mean: Tensor, f_second: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean, variance and expected entropy ``E H[p]`` of the Laplace-Bridge Dirichlet per pixel.
+
+    ``f_second``: per-pixel logit variances ``[N, 1, *]`` (sigmoid) or covariances over the
+    classes ``[N, K, K, *]`` (softmax).
+    """
+    from lsn_ext.bridge import LaplaceBridge
+
+    if link == "sigmoid":
+        # Binary logit f ~ N(m, v) as two zero-sum logits [−f/2, f/2], exact (bridge_predictive)
+        mu = torch.cat([-f_mean / 2, f_mean / 2], 1)
+        var = torch.cat([f_second / 4, f_second / 4], 1)
+        d = LaplaceBridge(project=False)(mu, var)
+        alpha, probs, probs_var = d.alpha, d.probs[:, 1:], d.probs_variance[:, 1:]
+    else:
+        # Pixels into the batch: [M, K] means and [M, K, K] covariances (exact projection).
+        K = f_mean.shape[1]
+        mu = f_mean.movedim(1, -1).reshape(-1, K)
+        cov = f_second.movedim(1, -1).movedim(1, -1).reshape(-1, K, K)
+        d = LaplaceBridge()(mu, cov)
+        shape = (*f_mean.shape[:1], *f_mean.shape[2:], K)
+        alpha, probs, probs_var = (
+            t.reshape(shape).movedim(-1, 1) for t in (d.alpha, d.probs, d.probs_variance)
+        )
+    alpha0 = alpha.sum(1)
+    expected_entropy = torch.special.digamma(alpha0 + 1) - (
+        alpha / alpha0.unsqueeze(1) * torch.special.digamma(alpha + 1)
+    ).sum(1)
+    return tuple(t.to(f_mean.dtype) for t in (probs, probs_var, expected_entropy))
+
+
+def _check_maps(prediction: SegmentationPrediction, la: Any) -> SegmentationPrediction:
+    """Refuse non-finite maps, naming the likely cause (samples that overflow the dtype)."""
+    for name in ("mean", "variance", "logit_variance"):
+        value = getattr(prediction, name)
+        if value is not None and not bool(torch.isfinite(value).all()):
+            prior = getattr(la, "prior_precision", None)
+            prior_text = ""
+            if isinstance(prior, Tensor):
+                prior_text = f" (prior precision {float(prior.min()):.3g} at its smallest)"
+            raise ValueError(
+                f"the predictive {name} has non-finite values in {value.dtype}: the posterior "
+                f"samples make the network overflow{prior_text}. The posterior is too wide for "
+                f"this network in {value.dtype}: raise the prior precision (e.g. "
+                "lsn_ext.gridsearch_prior_precision), or run model and inputs in float64"
+            )
+    return prediction
+
+
 @torch.no_grad()
 def predict(
     la: Any,
     x: Tensor,
     n_samples: int = 50,
     *,
+    pred_type: Literal["glm", "nn"] = "nn",
+    link_approx: Literal["mc", "probit", "bridge"] = "mc",
     generator: torch.Generator | None = None,
 ) -> SegmentationPrediction:
-    """Per-pixel sampling predictive of a fitted Laplace approximation.
+    r"""Per-pixel predictive of a fitted Laplace approximation (or any Gaussian posterior).
 
-    Draws ``n_samples`` parameter vectors from the posterior (``la.sample``), runs the network
-    with each (``torch.func.functional_call`` with every alias of a shared module or tied weight
-    substituted, and with copies of the buffers: the model itself is never modified),
-    and accumulates the probabilities (softmax over dim 1; sigmoid for a BCE backend) in one pass
-    (Welford), so memory does not grow with ``n_samples``.
+    Two predictives, named as in laplace-torch:
+
+    - ``pred_type="glm"``: the linearised network ``f(x; θ*) + J(x)(θ − θ*)``, whose logits
+      are Gaussian, ``N(f(x; θ*), J Σ Jᵀ)`` per pixel. Sampled by one forward-mode
+      Jacobian-vector product per pair of antithetic draws ``θ* ± δ`` (:mod:`lsn_ext.glm`):
+      memory of one forward pass, linear in the pixels, independent of ``n_samples``. The
+      logit mean is exactly ``f(x; θ*)``; the logit variance is the unbiased estimate
+      ``(1/S) Σ_s (J δ_s)²`` of ``diag(J Σ Jᵀ)`` over ``S = ⌈n_samples/2⌉`` products.
+    - ``pred_type="nn"``: the network itself at ``n_samples`` posterior draws.
+
+    The probabilities (softmax over dim 1; sigmoid for a BCE backend) then come from
+    ``link_approx``:
+
+    - ``"mc"``: averages over the sampled logits: ``E p``, ``Var p`` and ``E H[p]`` (for the
+      mutual information), one pass (Welford).
+    - ``"probit"``: from the per-pixel logit mean ``m`` and variance ``v``,
+      ``softmax(κ m)`` (``σ(κ m)`` for a sigmoid) with ``κ = 1/√(1 + π v/8)`` (laplace-torch's
+      probit, using the diagonal of the logit covariance); ``variance`` and ``E H[p]`` are
+      still the sample ones.
+    - ``"bridge"``: the Laplace Bridge (:func:`lsn_ext.laplace_bridge`) per pixel, from the
+      logit mean and the per-pixel *covariance* over classes (softmax, exact zero-sum
+      projection; it costs ``C×`` the memory of the logits) or variance (sigmoid, as the two
+      logits ``[−f/2, f/2]``); mean, variance and ``E H[p] = ψ(α₀+1) − Σ_k (α_k/α₀) ψ(α_k+1)``
+      are the Dirichlet's.
+
+    Posterior draws are made in chunks of at most 2²⁵ numbers, so memory does not grow with
+    ``n_samples`` (one chunk when they fit: the same draws as ``la.sample(n_samples)``).
 
     The model runs in its current mode. Normalisation layers with running statistics must be in
     eval mode (laplace-torch's ``fit`` leaves the model in eval mode); ``predict`` refuses
     training-mode batch norm rather than normalising with the batch's statistics, and never
-    changes the model's mode or buffers.
+    changes the model's mode, parameters or buffers.
 
     Args:
         la: A fitted laplace-torch ``Laplace`` object (any backend; :class:`DiagBackprop` tells
             binary from multi-class by its loss), or any other posterior over the model's
             trainable parameters (in ``parameters()`` order) with attributes ``model``,
-            ``n_params``, ``link`` (``"softmax"``, ``"sigmoid"`` or ``"identity"``) and a
-            method ``sample(n, generator=None) -> [n, n_params]`` (e.g. :mod:`lsn_ext.vi`).
+            ``n_params``, ``mean`` (``[n_params]``, for ``"glm"``), ``link`` (``"softmax"``,
+            ``"sigmoid"`` or ``"identity"``) and a method ``sample(n, generator=None) ->
+            [n, n_params]`` (e.g. :mod:`lsn_ext.vi`; a mixture only with ``"nn"``).
         x: Images ``[N, C_in, *spatial]``, finite.
         n_samples: Posterior samples (the LSN paper uses 50), at least 2.
+        pred_type: ``"glm"`` (linearised) or ``"nn"`` (sampling, the default).
+        link_approx: ``"mc"`` (default), ``"probit"`` or ``"bridge"``; regression takes
+            ``"mc"`` only (the maps are the output mean and variance).
         generator: Random generator for reproducible samples.
 
     Returns:
-        The predictive maps (:class:`SegmentationPrediction`).
+        The predictive maps (:class:`SegmentationPrediction`), with ``logit_mean`` and
+        ``logit_variance``.
 
     Raises:
         TypeError: If ``la`` is not a posterior or ``x`` not a tensor.
         ValueError: If ``la`` is not fitted, ``n_samples < 2``, ``x`` is empty or not finite,
-            the model has training-mode batch norm, the logits are not ``[N, C, *]``, or a
-            softmax posterior has one logit channel (a BCE posterior created or loaded without
-            ``backend_kwargs={"loss": "bce"}``).
+            ``pred_type`` or ``link_approx`` is unknown, the model has training-mode batch
+            norm, the logits are not ``[N, C, *]``, a softmax posterior has one logit channel
+            (a BCE posterior created or loaded without ``backend_kwargs={"loss": "bce"}``), or
+            the maps are not finite (a posterior too wide for the dtype).
     """
     _check_fitted(la)
     _check_n_samples(n_samples)
+    _check_choice("pred_type", pred_type, PRED_TYPES)
+    _check_choice("link_approx", link_approx, LINK_APPROXES)
     x = _check_images(x)
     link = _link(la)
+    if link == "identity" and link_approx != "mc":
+        raise ValueError(
+            f"link_approx={link_approx!r} approximates a softmax or sigmoid; a regression "
+            "posterior's maps are the output mean and variance: use link_approx='mc'"
+        )
     named = _trainable(la)
     model = _dist.unwrap(la.model)
     _check_eval_norms(model, "predict")
-    buffers = dict(model.named_buffers())
-    samples = la.sample(n_samples, generator=generator)
-    sizes = [p.numel() for _, p in named]
-    mean = m2 = expected_entropy = None
-    for i, theta in enumerate(samples):
-        params = {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
-        params.update({n: b.clone() for n, b in buffers.items()})
-        f = functional_call_all(model, params, (x,))
-        if not isinstance(f, Tensor) or f.dim() < 2:
-            shape = tuple(f.shape) if isinstance(f, Tensor) else type(f).__name__
-            raise ValueError(f"expected logits [N, C, *], got {shape}")
-        if link == "softmax" and f.shape[1] == 1:
-            raise ValueError(
-                f"a softmax over one logit channel (logits {tuple(f.shape)}) is 1 everywhere: "
-                "this posterior has no BCE loss. For binary segmentation create the Laplace "
-                "with backend_kwargs={'loss': 'bce'} (also when loading a state_dict: "
-                "laplace-torch does not save the backend's loss)"
-            )
-        if link == "softmax":
-            p = torch.softmax(f, 1)
-        elif link == "sigmoid":
-            p = torch.sigmoid(f)
-        else:
-            p = f
-        if mean is None:
-            mean, m2 = torch.zeros_like(p), torch.zeros_like(p)
-            expected_entropy = torch.zeros_like(p[:, 0]) if link != "identity" else None
-        delta = p - mean
-        mean += delta / (i + 1)
-        m2 += delta * (p - mean)
-        if expected_entropy is not None:
-            expected_entropy += (_entropy(p, link) - expected_entropy) / (i + 1)
-    variance = m2 / (n_samples - 1)
+    full = link_approx == "bridge" and link == "softmax"
+    stats = _Moments(link, full)
+    if pred_type == "nn":
+        for f in _nn_logits(la, model, named, x, n_samples, generator):
+            stats.add(_check_logits(f, link), logits=True)
+        f_mean, f_second = stats.f_mean, stats.f_m2 / (n_samples - 1)
+    else:
+        f_mean, tangents = glm_logits(la, model, named, x, n_samples, generator)
+        _check_logits(f_mean, link)
+        f_second, products = torch.zeros_like(_outer(f_mean) if full else f_mean), 0
+        for t in tangents:
+            products += 1
+            f_second += _outer(t) if full else t * t
+            stats.add(f_mean + t, logits=False)
+            if stats.count < n_samples:
+                stats.add(f_mean - t, logits=False)
+        f_second /= products
+    f_var = f_second.diagonal(dim1=1, dim2=2).movedim(-1, 1) if full else f_second
+    mean, variance = stats.p_mean, stats.p_m2 / (n_samples - 1)
+    expected_entropy = stats.entropy
     if link == "identity":
-        return SegmentationPrediction(mean, variance, None, None, n_samples)
+        if pred_type == "glm":
+            mean, variance = f_mean, f_var
+        result = SegmentationPrediction(
+            mean, variance, None, None, n_samples, f_mean, f_var, pred_type, link_approx
+        )
+        return _check_maps(result, la)
+    if link_approx == "probit":
+        kappa = torch.rsqrt(1 + math.pi / 8 * f_var)
+        mean = _probs(kappa * f_mean, link)
+    elif link_approx == "bridge":
+        mean, variance, expected_entropy = _bridge_maps(link, f_mean, f_second)
     entropy = _entropy(mean, link)
     mutual_information = (entropy - expected_entropy).clamp_min(0)
-    return SegmentationPrediction(mean, variance, entropy, mutual_information, n_samples)
+    result = SegmentationPrediction(
+        mean,
+        variance,
+        entropy,
+        mutual_information,
+        n_samples,
+        f_mean,
+        f_var,
+        pred_type,
+        link_approx,
+    )
+    return _check_maps(result, la)
 
 
 def _nll(

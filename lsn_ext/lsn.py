@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from laplace import Laplace
@@ -30,12 +31,16 @@ from torch.utils.data import DataLoader
 from lsn_ext import distributed as _dist
 from lsn_ext._functional import functional_call_all
 from lsn_ext.estimators import Estimator
+from lsn_ext.glm import sample_chunks
 from lsn_ext.laplace_ext import (
+    PRED_TYPES,
     DiagBackprop,
     SegmentationPrediction,
+    _check_choice,
     _check_images,
     _check_n_samples,
     _entropy,
+    glm_logits,
     predict,
 )
 from lsn_ext.models.ssn import SSN, SSNOutput
@@ -346,13 +351,19 @@ def predict_lsn(
     n_aleatoric: int = 20,
     *,
     seed: int = 0,
+    pred_type: Literal["glm", "nn"] = "nn",
 ) -> LSNPrediction:
     """Epistemic, aleatoric and total predictive maps of an LSN (the paper: 50 and 20 samples).
 
-    The epistemic samples come from :func:`lsn_ext.predict` on ``la`` (parameters are passed with
-    ``functional_call``; neither model is modified). The total maps reuse the same posterior
-    draws (same seed): for each ``θ``, the SSN with the sampled backbone and mean head and the
-    MAP variance heads gives ``n_aleatoric`` logit samples.
+    The epistemic samples come from :func:`lsn_ext.predict` on ``la`` with ``pred_type``
+    (parameters are passed with ``functional_call``; neither model is modified). The total maps
+    reuse the same posterior draws (same seed), each with ``n_aleatoric`` logit samples:
+
+    - ``"nn"``: for each ``θ``, the SSN with the sampled backbone and mean head and the MAP
+      variance heads (fed by the sampled backbone).
+    - ``"glm"``: the linearised mean network ``μ* + J(θ − θ*)`` (antithetic pairs, as in
+      :func:`lsn_ext.predict`) with the logit covariance of the SSN at ``θ*``:
+      ``η ~ N(μ* + J(θ − θ*), Σ*(x))``. Epistemic uncertainty enters through the mean only.
 
     Args:
         la: The posterior from :func:`fit_lsn`.
@@ -361,6 +372,7 @@ def predict_lsn(
         n_epistemic: Posterior samples of the mean network.
         n_aleatoric: Logit samples per parameter sample.
         seed: Seed of the samples.
+        pred_type: ``"nn"`` (sampling, the default) or ``"glm"`` (linearised mean network).
 
     Returns:
         The maps (:class:`LSNPrediction`); the SSN is evaluated in eval mode, its mode restored.
@@ -378,34 +390,63 @@ def predict_lsn(
         raise ValueError("la must be the posterior of MeanNetwork(ssn) for this ssn (fit_lsn)")
     _check_n_samples(n_epistemic)
     _check_n_samples(n_aleatoric)
+    _check_choice("pred_type", pred_type, PRED_TYPES)
     x = _check_images(x)
     with _restored(ssn):
         ssn.eval()
-        return _predict_lsn(la, ssn, x, n_epistemic, n_aleatoric, seed)
+        return _predict_lsn(la, ssn, x, n_epistemic, n_aleatoric, seed, pred_type)
+
+
+def _nn_distributions(
+    la: BaseLaplace, ssn: SSN, x: Tensor, n: int, generator: torch.Generator
+) -> Iterator[SSNOutput]:
+    """The SSN's logit distribution with backbone and mean head at ``n`` posterior draws."""
+    named = [(n, p) for n, p in la.model.named_parameters() if p.requires_grad]
+    view = _DistributionView(ssn)
+    sizes = [p.numel() for _, p in named]
+    for chunk in sample_chunks(la.sample, n, la.n_params, generator):
+        for theta in chunk:
+            params = {
+                f"ssn.{n}": t.view_as(p)
+                for (n, p), t in zip(named, theta.split(sizes), strict=True)
+            }
+            yield SSNOutput(*functional_call_all(view, params, (x,)))
+
+
+def _glm_distributions(
+    la: BaseLaplace, ssn: SSN, x: Tensor, n: int, generator: torch.Generator
+) -> Iterator[SSNOutput]:
+    """``N(μ* ± J δ_s, Σ*(x))`` for ``⌈n/2⌉`` antithetic pairs of posterior draws (``n`` total)."""
+    named = [(n, p) for n, p in la.model.named_parameters() if p.requires_grad]
+    f_map, tangents = glm_logits(la, la.model, named, x, n, generator)
+    at_map = ssn.distribution(x)
+    count = 0
+    for t in tangents:
+        for sign in (1, -1):
+            if count < n:
+                count += 1
+                yield SSNOutput(f_map + sign * t, at_map.cov_diag, at_map.cov_factor)
 
 
 def _predict_lsn(
-    la: BaseLaplace, ssn: SSN, x: Tensor, n_epistemic: int, n_aleatoric: int, seed: int
+    la: BaseLaplace,
+    ssn: SSN,
+    x: Tensor,
+    n_epistemic: int,
+    n_aleatoric: int,
+    seed: int,
+    pred_type: str,
 ) -> LSNPrediction:
     def gen(offset: int) -> torch.Generator:
         return torch.Generator(device=x.device).manual_seed(seed + offset)
 
-    epistemic = predict(la, x, n_epistemic, generator=gen(0))
+    epistemic = predict(la, x, n_epistemic, pred_type=pred_type, generator=gen(0))
     aleatoric_mean, aleatoric = aleatoric_maps(ssn, x, n_aleatoric, generator=gen(1))
-    named = [(n, p) for n, p in la.model.named_parameters() if p.requires_grad]
-    thetas = la.sample(n_epistemic, generator=gen(0))
-    view = _DistributionView(ssn)
+    draws = _glm_distributions if pred_type == "glm" else _nn_distributions
     eta_gen = gen(2)
     total = _Welford()
-    sizes = [p.numel() for _, p in named]
-    for theta in thetas:
-        params = {
-            f"ssn.{n}": t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)
-        }
-        mean, cov_diag, cov_factor = functional_call_all(view, params, (x,))
-        eta = SSNOutput(mean, cov_diag, cov_factor).rsample(
-            n_aleatoric, antithetic=False, generator=eta_gen
-        )
+    for distribution in draws(la, ssn, x, n_epistemic, gen(0)):
+        eta = distribution.rsample(n_aleatoric, antithetic=False, generator=eta_gen)
         total.add(_probabilities(eta, dim=2))
     link = "sigmoid" if ssn.num_classes == 1 else "softmax"
     return LSNPrediction(
