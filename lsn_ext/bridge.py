@@ -462,12 +462,41 @@ def _check(f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor, bool]:
             "f_var must be finite with non-negative variances (the diagonal for a covariance); "
             f"smallest variance {bad}. Zero is allowed: projected variances are floored at min_var"
         )
+    if full:
+        _check_covariance(f_var.detach())
     mu = f_mu.detach()
     var = f_var.detach()
     if not full and mu.dim() > 2:
         # one copy to classes-last memory: the reductions over classes are then contiguous
         mu, var = mu.movedim(1, -1).contiguous(), var.movedim(1, -1).contiguous()
     return mu, var, full
+
+
+def _check_covariance(cov: Tensor) -> None:
+    """Refuse ``[N, K, K]`` matrices that are not symmetric positive semi-definite.
+
+    Tolerance: ``64 K eps`` of the dtype relative to the largest diagonal entry of each matrix
+    (rounding of a covariance computed in that dtype stays far below it).
+    """
+    K = cov.shape[-1]
+    c = cov.double()
+    scale = c.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    tol = 64 * K * torch.finfo(cov.dtype).eps * scale
+    asym = (c - c.transpose(-1, -2)).abs().amax((-1, -2))
+    if bool((asym > tol).any()):
+        i = int((asym / scale).argmax())
+        raise ValueError(
+            f"f_var[{i}] is not symmetric (largest |Σ - Σᵀ| = {float(asym[i]):.3g}, diagonal up "
+            f"to {float(scale[i]):.3g}): give a covariance matrix, e.g. (S + Sᵀ)/2"
+        )
+    smallest = torch.linalg.eigvalsh(c).amin(-1)
+    if bool((smallest < -tol).any()):
+        i = int((smallest / scale).argmin())
+        raise ValueError(
+            f"f_var[{i}] is not positive semi-definite (smallest eigenvalue "
+            f"{float(smallest[i]):.3g}, diagonal up to {float(scale[i]):.3g}): a covariance "
+            "must be; check how it was computed"
+        )
 
 
 def _result_dtype(dtype: torch.dtype) -> torch.dtype:

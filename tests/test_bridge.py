@@ -179,6 +179,18 @@ ERRORS = {
     "inf-variance": (torch.zeros(1, 2), torch.tensor([[1.0, math.inf]]), ValueError, "finite"),
     "shape": (torch.zeros(2, 3), torch.ones(2, 4), ValueError, "shaped like f_mu"),
     "one-class": (torch.zeros(2, 1), torch.ones(2, 1), ValueError, "K >= 2"),
+    "asymmetric-covariance": (
+        torch.zeros(2, 3),
+        torch.stack([torch.eye(3), torch.eye(3) + torch.triu(torch.ones(3, 3), 1) * 0.5]),
+        ValueError,
+        r"f_var\[1\] is not symmetric",
+    ),
+    "indefinite-covariance": (  # the case that gave α of 1.3e7 before
+        torch.zeros(1, 3),
+        torch.tensor([[[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 1.0]]]),
+        ValueError,
+        r"f_var\[0\] is not positive semi-definite \(smallest eigenvalue -1",
+    ),
     "dtype": (
         torch.zeros(2, 3, dtype=torch.float64),
         torch.ones(2, 3, dtype=torch.float32),

@@ -180,14 +180,16 @@ def nuclei_patches(
 
     Args:
         size: Patch side ``S``; ``3 S`` must fit into the image height.
-        stride: Step between patches inside a band (``stride < size`` overlaps them).
+        stride: Step between patches inside a band, ``1 ≤ stride ≤ size`` (``stride < size``
+            overlaps them; a larger stride would skip pixels and is refused).
         dtype: Floating dtype of the tensors (default: ``torch.get_default_dtype()``).
 
     Returns:
         The splits (:class:`NucleiSplits`).
 
     Raises:
-        ValueError: If ``size`` or ``stride`` is not positive or the image is too small.
+        ValueError: If ``size`` or ``stride`` is out of range, the image is too small, or
+            ``dtype`` is not floating (the images are standardised).
     """
     image, mask = load_nuclei()
     H = image.shape[0]
@@ -196,7 +198,16 @@ def nuclei_patches(
             f"need 1 <= size with 3 * size <= {H} (the image height) and stride >= 1; "
             f"got size={size}, stride={stride}"
         )
+    if stride > size:
+        raise ValueError(
+            f"stride={stride} is larger than the patch side {size}: the pixels between patches "
+            "would be left out of every split; use stride <= size"
+        )
     dtype = dtype or torch.get_default_dtype()
+    if not dtype.is_floating_point:
+        raise ValueError(
+            f"dtype must be floating (the images are standardised to mean 0, sd 1), got {dtype}"
+        )
     bands = {"train": (0, H - 2 * size), "val": (H - 2 * size, H - size), "test": (H - size, H)}
     train_rows = image[: bands["train"][1]]
     mean, std = train_rows.mean().item(), train_rows.std().item()

@@ -106,3 +106,18 @@ def test_nuclei_volume_slices_reject_bad_sizes(size, match):
     with pytest.raises(ValueError, match=match):
         nuclei_volume_slices(size)
     assert nuclei_volume_slices(169)[0].shape == (31, 1, 169, 169)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": torch.int64}, r"dtype must be floating .* got torch.int64"),
+        ({"size": 64, "stride": 65}, r"stride=65 is larger than the patch side 64"),
+        ({"size": 64, "stride": 0}, r"stride >= 1"),
+        ({"size": 400}, r"3 \* size <= "),
+    ],
+    ids=["integer-dtype", "stride-skips-pixels", "zero-stride", "patch-too-large"],
+)
+def test_nuclei_patches_refuse_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        nuclei_patches(**kwargs)
