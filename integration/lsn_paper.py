@@ -315,8 +315,57 @@ def _objective(spec: NetSpec, factor: float) -> Callable[[nn.Module, Tensor, Ten
     return ssn_objective
 
 
-def train(spec: NetSpec, data: Data, factor: float, seed: int, budget: Budget) -> nn.Module:
-    """Adam with cosine decay for ``budget.steps × spec.step_factor`` steps, random flips."""
+@dataclass
+class EarlyStopping:
+    """Early stopping for :func:`train`: a validation score (higher is better) every
+    ``every`` steps; training stops after ``patience`` evaluations without improvement and
+    the network returns with the weights of its best evaluation. :func:`train` fills in
+    ``best_step``, ``best_score`` and ``steps_run``; ``stopped`` says whether the patience ran
+    out before the step cap.
+    """
+
+    score: Callable[[nn.Module], float]
+    every: int
+    patience: int
+    best_step: int = 0
+    best_score: float = -math.inf
+    steps_run: int = 0
+    stopped: bool = False
+
+    def check(self, net: nn.Module, step: int, last: bool = False) -> bool:
+        """Evaluate after ``step`` steps (eval mode, no gradients); True: stop now."""
+        self.steps_run = step
+        if step % self.every and not last:
+            return False
+        net.eval()
+        with torch.no_grad():
+            score = float(self.score(net))
+        net.train()
+        if score > self.best_score:
+            self.best_score, self.best_step = score, step
+            self._best = {k: v.detach().clone() for k, v in net.state_dict().items()}
+        self.stopped = step - self.best_step >= self.patience * self.every
+        return self.stopped
+
+    def restore(self, net: nn.Module) -> None:
+        if hasattr(self, "_best"):
+            net.load_state_dict(self._best)
+            del self._best
+
+
+def train(
+    spec: NetSpec,
+    data: Data,
+    factor: float,
+    seed: int,
+    budget: Budget,
+    stopping: EarlyStopping | None = None,
+) -> nn.Module:
+    """Adam with cosine decay for ``budget.steps × spec.step_factor`` steps, random flips.
+
+    With ``stopping``, the steps are a cap: training ends when the validation score has not
+    improved for ``stopping.patience`` evaluations, with the best evaluation's weights.
+    """
     torch.manual_seed(seed * 1000 + hash_int(spec.tag()))
     net = build(spec, budget, data.train_x.shape[1])
     objective = _objective(spec, factor)
@@ -326,7 +375,7 @@ def train(spec: NetSpec, data: Data, factor: float, seed: int, budget: Budget) -
     gen = torch.Generator().manual_seed(seed * 7919 + hash_int(spec.tag()))
     net.train()
     order: list[Tensor] = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         if not order:
             order = list(torch.randperm(len(data.train_x), generator=gen).split(budget.batch_size))
         idx = order.pop(0)
@@ -338,6 +387,10 @@ def train(spec: NetSpec, data: Data, factor: float, seed: int, budget: Budget) -
         loss.backward()
         opt.step()
         schedule.step()
+        if stopping is not None and stopping.check(net, step, last=step == steps):
+            break
+    if stopping is not None:
+        stopping.restore(net)
     return net.eval()
 
 
