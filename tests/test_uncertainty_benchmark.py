@@ -1,0 +1,118 @@
+"""``integration/uncertainty_benchmark.py``: the quick run reports every method and section, and
+the bootstrap's histogram metrics agree with the exact ones."""
+
+import csv
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lsn_ext import metrics
+
+SCRIPT = Path(__file__).resolve().parents[1] / "integration" / "uncertainty_benchmark.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("uncertainty_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["uncertainty_benchmark"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("uncertainty_benchmark", None)
+
+
+@pytest.fixture(scope="module")
+def quick_report(bench, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uncertainty")
+    argv = ["--quick", "--seeds", "0,1", "--workers", "1", "--cache", str(out / "cache")]
+    path = bench.main([*argv, "--out", str(out)])
+    return out, path.read_text()
+
+
+SECTIONS = (
+    "## Pixel failure detection and calibration",
+    "## Image failure detection: risk–coverage",
+    "## Shift detection and failure detection under shift",
+    "## Paired differences against MAP entropy and Ensemble (5)",
+    "## Table 2 re-answered: Box Ratio",
+    "## Training and cost",
+)
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_method_and_section(bench, quick_report):
+    out, text = quick_report
+    for heading in SECTIONS:
+        assert heading in text, heading
+    assert "nan" not in text.lower()
+    for section in text.split("\n## ")[1:5]:
+        for dataset in ("lesions", "nuclei"):
+            body = section.split(f"### {dataset}")[1].split("\n### ")[0]
+            for name in bench.METHODS:
+                assert re.search(rf"^\| {re.escape(name)} \| ", body, re.M), (name, dataset)
+    shift = text.split("## Shift detection")[1].split("\n## ")[0]
+    for dataset in ("lesions", "nuclei"):
+        body = shift.split(f"### {dataset}")[1]
+        assert re.search(rf"^\| {bench.IMAGE_STATS} \| \d\.\d{{3}} ± ", body, re.M)
+    assert "shift AUROC: volume" in shift
+    for kind in ("blur", "contrast", "noise", "intensity"):
+        assert f"shift AUROC: {kind}" in shift
+    box = text.split("## Table 2 re-answered")[1].split("\n## ")[0]
+    for name in bench.METHODS[1:]:
+        assert f"| {name} | " in box
+    assert (out / "uncertainty_risk_coverage.png").stat().st_size > 1000
+    with (out / "uncertainty_per_seed.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    keys = [(r["dataset"], r["seed"], r["method"]) for r in rows]
+    methods = (*bench.METHODS, bench.IMAGE_STATS)
+    expected = [(d, str(s), m) for d in ("lesions", "nuclei") for s in (0, 1) for m in methods]
+    assert sorted(keys) == sorted(expected)
+    assert all(r["shift_auroc_volume"] for r in rows if r["dataset"] == "nuclei")
+
+
+@pytest.mark.slow
+def test_report_only_regenerates_the_same_report(bench, quick_report):
+    out, text = quick_report
+    argv = ["--quick", "--seeds", "0,1", "--report-only", "--cache", str(out / "cache")]
+    again = bench.main([*argv, "--out", str(out / "again")]).read_text()
+    assert again.split("## Pixel")[1] == text.split("## Pixel")[1]
+
+
+def test_bootstrap_histograms_agree_with_the_exact_metrics(bench):
+    b = bench.ConvergedBudget()
+    g = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(12, 1, 16, 16, generator=g, dtype=torch.float64)
+    mean = torch.sigmoid(logits)
+    y = (torch.rand(12, 1, 16, 16, generator=g, dtype=torch.float64) < mean).double()
+    pred = bench.Pred(mean, bench._entropy(mean), None, None)
+    exact, sums = bench.measure(pred, y, b, bench.histogram_edges([mean], b))
+    every = torch.arange(12).unsqueeze(0)  # the identity "resample"
+    for metric in ("auroc", "auprc", "ece", "nll", "brier"):
+        got = bench._boot_pixel_metric(metric, sums, every).item()
+        tol = {"auroc": 2e-3, "auprc": 1e-2}.get(metric, 1e-9)  # binned: ties within a bin
+        assert got == pytest.approx(exact[metric], abs=tol), metric
+    per = {k: exact[k] for k in ("u_mean", "u_fg", "dice_per_image")}
+    for metric in ("aurc", "e_aurc", "spearman"):
+        got = bench._boot_image_metric(metric, per, every).item()
+        assert got == pytest.approx(exact[metric], abs=1e-9), metric
+    n, fn = bench._shift_boot([0.1, 0.5, 0.3], [0.4, 0.9])
+    assert n == 6
+    idx = torch.tensor([[0, 1, 2, 3, 4, 5]])  # clean 0, 1, 2; shifted (i // 3) % 2 = 1, 1
+    assert fn(idx).item() == pytest.approx(
+        metrics.auroc(torch.tensor([0.1, 0.5, 0.3]), torch.tensor([0.9, 0.9]))
+    )
+
+
+def test_image_statistics_score_is_a_mahalanobis_distance(bench):
+    g = torch.Generator().manual_seed(1)
+    train = torch.randn(200, 1, 8, 8, generator=g) * (1 + torch.rand(200, 1, 1, 1, generator=g))
+    d = bench.image_statistics(train, {"same": train[:5], "bright": 5 + train[:5]})
+    assert min(d["bright"]) > max(d["same"])
+    s = torch.stack([train.double().flatten(1).mean(1), train.double().flatten(1).std(1)], 1)
+    diff = s[0] - s.mean(0)
+    ref = (diff @ torch.linalg.inv(torch.cov(s.T)) @ diff).sqrt().item()
+    assert d["same"][0] == pytest.approx(ref, rel=1e-6)
