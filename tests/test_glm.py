@@ -354,3 +354,26 @@ def test_non_finite_maps_are_refused_with_the_cause():
     assert torch.isfinite(glm.logit_variance).all()
     assert glm.logit_variance.min() > 1e25
     assert_unchanged(net, snap)
+
+
+@pytest.mark.parametrize("pred_type", ["nn", "glm"])
+def test_chunked_draws_give_the_same_maps_as_one_chunk(monkeypatch, pred_type):
+    net, x, y = _bce_unet()
+    la = _laplace(net, x, y, "bce", prior=0.5)
+
+    def run():
+        g = torch.Generator().manual_seed(11)
+        return predict(la, x[:2], 37, pred_type=pred_type, generator=g)
+
+    whole = run()
+    calls = []
+    sample = la.sample
+    monkeypatch.setattr(lsn_ext.glm, "_DRAW_BUDGET", 3 * la.n_params)
+    monkeypatch.setattr(
+        la, "sample", lambda k, generator=None: calls.append(k) or sample(k, generator)
+    )
+    chunked = run()
+    assert len(calls) > 1
+    assert max(calls) <= 16 * 3
+    torch.testing.assert_close(chunked.mean, whole.mean, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(chunked.logit_variance, whole.logit_variance, rtol=1e-12, atol=0)
