@@ -749,6 +749,10 @@ def _bridge_maps(link: str, f_mean: Tensor, f_second: Tensor) -> tuple[Tensor, T
     return tuple(t.to(f_mean.dtype) for t in (probs, probs_var, expected_entropy))
 
 
+class NonFinitePredictiveError(ValueError):
+    """:func:`predict` gave non-finite maps (a posterior too wide for the dtype)."""
+
+
 def _check_maps(prediction: SegmentationPrediction, la: Any) -> SegmentationPrediction:
     """Refuse non-finite maps, naming the likely cause (samples that overflow the dtype)."""
     for name in ("mean", "variance", "logit_variance"):
@@ -758,7 +762,7 @@ def _check_maps(prediction: SegmentationPrediction, la: Any) -> SegmentationPred
             prior_text = ""
             if isinstance(prior, Tensor):
                 prior_text = f" (prior precision {float(prior.min()):.3g} at its smallest)"
-            raise ValueError(
+            raise NonFinitePredictiveError(
                 f"the predictive {name} has non-finite values in {value.dtype}: the posterior "
                 f"samples make the network overflow{prior_text}. The posterior is too wide for "
                 f"this network in {value.dtype}: raise the prior precision (e.g. "
@@ -1013,6 +1017,8 @@ def gridsearch_prior_precision(
     grid: Iterable[float] | None = None,
     prior_structure: Literal["scalar", "layerwise", "diag"] = "scalar",
     n_samples: int = 10,
+    pred_type: Literal["glm", "nn"] = "nn",
+    link_approx: Literal["mc", "probit", "bridge"] = "mc",
     ignore_index: int | None = None,
     progress_bar: bool = False,
     verbose: bool = False,
@@ -1027,7 +1033,8 @@ def gridsearch_prior_precision(
     ``log_prior_prec_base**log_prior_prec_min`` to ``log_prior_prec_base**log_prior_prec_max``.
     For each, sets ``la.prior_precision``, computes :func:`predict` on ``val_loader`` with
     common random numbers (the same seed for every candidate) and scores the mean negative log
-    predictive probability per labelled pixel. Like laplace-torch, it leaves
+    predictive probability per labelled pixel; a candidate whose predictive is not finite (a
+    posterior too wide for the dtype) scores ``inf``. Like laplace-torch, it leaves
     ``la.prior_precision`` at the best value (in ``prior_structure``); unlike laplace-torch it
     also returns the scores. On an error the previous prior precision is restored.
 
@@ -1049,6 +1056,9 @@ def gridsearch_prior_precision(
             parameter, e.g. as a start for ``method="marglik"``); every candidate is a single
             value either way.
         n_samples: Posterior samples per prediction (at least 2).
+        pred_type: The predictive whose NLL is scored (:func:`predict`): tune the prior for
+            the predictive you will use.
+        link_approx: Its link approximation (:func:`predict`).
         ignore_index: Target value of unlabelled pixels (e.g. ``255``), not scored. Default:
             the cross-entropy loss's ``ignore_index`` (``-100``) for multi-class models, none
             for binary ones.
@@ -1080,6 +1090,8 @@ def gridsearch_prior_precision(
             "la.optimize_prior_precision(method='marglik')"
         )
     _check_n_samples(n_samples)
+    _check_choice("pred_type", pred_type, PRED_TYPES)
+    _check_choice("link_approx", link_approx, LINK_APPROXES)
     if prior_structure not in _STRUCTURES:
         raise ValueError(f"prior_structure must be one of {_STRUCTURES}, got {prior_structure!r}")
     values = _grid(grid, log_prior_prec_min, log_prior_prec_max, grid_size, log_prior_prec_base)
@@ -1111,7 +1123,18 @@ def gridsearch_prior_precision(
                 x, y = data
                 x = _check_images(x)
                 gen = torch.Generator(device=x.device).manual_seed(seed + batch)
-                pred = predict(la, x, n_samples, generator=gen)
+                try:
+                    pred = predict(
+                        la,
+                        x,
+                        n_samples,
+                        pred_type=pred_type,
+                        link_approx=link_approx,
+                        generator=gen,
+                    )
+                except NonFinitePredictiveError:
+                    total, n_batches = math.inf, n_batches + 1
+                    continue
                 nll, labelled = _nll(pred, y, link, ignore_index)
                 total, count, n_batches = total + nll, count + labelled, n_batches + 1
             if reduce:
@@ -1121,7 +1144,7 @@ def gridsearch_prior_precision(
                 count, n_batches = round(n_labelled), round(n_seen)
             if n_batches == 0:
                 raise ValueError("val_loader yielded no batches")
-            if count == 0:
+            if count == 0 and math.isfinite(total):
                 raise ValueError(
                     f"val_loader holds no labelled pixels (all targets are ignore_index="
                     f"{ignore_index})"

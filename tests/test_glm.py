@@ -377,3 +377,35 @@ def test_chunked_draws_give_the_same_maps_as_one_chunk(monkeypatch, pred_type):
     assert max(calls) <= 16 * 3
     torch.testing.assert_close(chunked.mean, whole.mean, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(chunked.logit_variance, whole.logit_variance, rtol=1e-12, atol=0)
+
+
+def test_grid_search_scores_the_predictive_it_is_given():
+    net, x, y = _bce_unet()
+    la = _laplace(net, x, y, "bce")
+    grid = [0.1, 1.0, 10.0]
+    result = lsn_ext.gridsearch_prior_precision(
+        la, _loader(x, y), grid=grid, n_samples=4, pred_type="glm", seed=3
+    )
+    for value, score in zip(grid, result.scores, strict=True):
+        la.prior_precision = value
+        nll = 0.0
+        for batch, (xb, yb) in enumerate(_loader(x, y)):
+            g = torch.Generator().manual_seed(3 + batch)
+            p = predict(la, xb, 4, pred_type="glm", generator=g).mean
+            nll -= float((yb * p.log() + (1 - yb) * (1 - p).log()).sum())
+        assert score == pytest.approx(nll / y.numel(), rel=1e-10)
+    assert result.prior_precision == grid[min(range(3), key=result.scores.__getitem__)]
+
+
+def test_grid_search_scores_an_overflowing_candidate_as_infinite():
+    torch.set_default_dtype(torch.float32)
+    net = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1), nn.Conv2d(3, 1, 3, padding=1)
+    )
+    x, y = torch.randn(4, 2, 6, 6), (torch.rand(4, 1, 6, 6) > 0.5).float()
+    la = _laplace(net, x, y, "bce")
+    la.H = torch.zeros_like(la.H)
+    result = lsn_ext.gridsearch_prior_precision(la, _loader(x, y), grid=[1e-30, 1.0], n_samples=4)
+    assert result.scores[0] == math.inf
+    assert math.isfinite(result.scores[1])
+    assert result.prior_precision == 1.0
