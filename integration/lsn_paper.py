@@ -321,12 +321,14 @@ class EarlyStopping:
     ``every`` steps; training stops after ``patience`` evaluations without improvement and
     the network returns with the weights of its best evaluation. :func:`train` fills in
     ``best_step``, ``best_score`` and ``steps_run``; ``stopped`` says whether the patience ran
-    out before the step cap.
+    out before the step cap. No stop before ``min_steps`` (a network still at background in its
+    first evaluations, Dice 0, is not cut off).
     """
 
     score: Callable[[nn.Module], float]
     every: int
     patience: int
+    min_steps: int = 0
     best_step: int = 0
     best_score: float = -math.inf
     steps_run: int = 0
@@ -344,7 +346,9 @@ class EarlyStopping:
         if score > self.best_score:
             self.best_score, self.best_step = score, step
             self._best = {k: v.detach().clone() for k, v in net.state_dict().items()}
-        self.stopped = step - self.best_step >= self.patience * self.every
+        self.stopped = (
+            step >= self.min_steps and step - self.best_step >= self.patience * self.every
+        )
         return self.stopped
 
     def restore(self, net: nn.Module) -> None:

@@ -96,6 +96,7 @@ class ConvergedBudget(lp.Budget):
     Attributes:
         eval_every, patience: Validation Dice every ``eval_every`` steps; stop after
             ``patience`` evaluations without improvement and keep the best weights.
+        min_steps: No early stop before this many steps.
         n_dropout: MC-dropout passes.
         n_bootstrap: Bootstrap resamples of the test images.
         fg_dilation: Dilation (pixels) of the predicted foreground for the foreground-adjusted
@@ -116,6 +117,7 @@ class ConvergedBudget(lp.Budget):
     n_aleatoric: int = 8
     eval_every: int = 50
     patience: int = 4
+    min_steps: int = 300
     n_dropout: int = 50
     n_bootstrap: int = 1000
     fg_dilation: int = 3
@@ -138,6 +140,7 @@ QUICK = ConvergedBudget(
     prior_exponents=(-2, 0, 2),
     eval_every=2,
     patience=1,
+    min_steps=4,
     n_dropout=3,
     n_bootstrap=50,
     hist_bins=64,
@@ -195,7 +198,9 @@ class ConvergedCache(lp.Cache):
             net.load_state_dict(torch.load(path))
             return net.eval(), json.loads(record_path.read_text())
         b = self.budget
-        stopping = lp.EarlyStopping(lambda n: validation_dice(n, data), b.eval_every, b.patience)
+        stopping = lp.EarlyStopping(
+            lambda n: validation_dice(n, data), b.eval_every, b.patience, b.min_steps
+        )
         t0 = time.perf_counter()
         net = lp.train(spec, data, factor, seed, b, stopping)
         record = {
@@ -823,7 +828,8 @@ def _section_box(rep: Report) -> str:
     return (
         lp._table(["Method"] + [f"Box Ratio noise ({d})" for d in rep.datasets], rows)
         + "\n\nBox Ratio (LSN Eq. 17) of the epistemic variance map on the first "
-        f"{rep.b.n_eval} test images with a noise box (`lsn_paper._boxed`, boxes redrawn per "
+        f"{rep.b.n_eval} test images (nuclei: all 46, the volume's slices included, as in "
+        "`lsn_paper.py`) with a noise box (`lsn_paper._boxed`, boxes redrawn per "
         "seed); epistemic map: Var p over the dropout passes, the ensemble members, the "
         "posterior samples of the U-Net (U-Net + LA) or of the SSN's mean network (LSN), with "
         "the `nn` or `glm` predictive. A variance spread evenly over the image gives "
@@ -854,6 +860,24 @@ def _section_training(rep: Report) -> str:
                     f"{lp._mean(secs):.0f}",
                 ]
             )
+    priors = [
+        (d, name, info) for (d, _), v in rep.res.items() for name, info in v["posteriors"].items()
+    ]
+    prior_rows = []
+    for d in rep.datasets:
+        for name in ("U-Net + LA", "LSN", "LSN (diag)"):
+            vals = [i["prior_precision"] for dd, n, i in priors if dd == d and n == name]
+            edge = sum(i["at_edge"] for dd, n, i in priors if dd == d and n == name)
+            prior_rows.append(
+                [f"{d}: {name}", f"{min(vals):.0e} … {max(vals):.0e}", f"{edge}/{len(vals)}"]
+            )
+    n_edge = sum(i["at_edge"] for _, _, i in priors)
+    collapsed = [
+        f"{d} seed {s} {k} ({r['best_val_dice']:.2f})"
+        for (d, s), v in rep.res.items()
+        for k, r in v["nets"].items()
+        if r["best_val_dice"] < 0.05
+    ]
     timing_rows = []
     for part in ("posteriors", "predict and measure"):
         t = [rep.res[k]["timing"][part] for k in rep.res]
@@ -875,7 +899,19 @@ def _section_training(rep: Report) -> str:
             rows,
         )
         + f"\n\nEarly stopping reached its patience in {n_stopped} of {n_all} networks; the "
-        f"others ran to the cap of {rep.b.steps} steps (their best checkpoint is still kept).\n\n"
+        f"others ran to the cap of {rep.b.steps} steps (their best checkpoint is still kept). "
+        f"No stop before step {rep.b.min_steps}. Networks whose best validation Dice stayed "
+        "below 0.05 (still predicting background): "
+        + (", ".join(collapsed) or "none")
+        + ".\n\n"
+        + lp._table(
+            ["posterior", "prior precision chosen (range over seeds)", "at grid edge"], prior_rows
+        )
+        + f"\n\nPrior precision by validation NLL on 10^{rep.b.prior_exponents[0]}…"
+        f"10^{rep.b.prior_exponents[-1]}: at an end of the grid in {n_edge} of {len(priors)} "
+        "fits. At the upper end the posterior is nearly a point mass at the trained weights, "
+        "so the Laplace predictive equals the MAP's (U-Net + LA ≈ MAP entropy; LSN ≈ the SSN's "
+        "own aleatoric predictive) and `nn` and `glm` coincide.\n\n"
         + lp._table(["part", "CPU min, all units", "longest unit, min"], timing_rows)
         + "\n\nOne thread per unit; training times as recorded when each network was trained.\n"
     )
@@ -975,7 +1011,8 @@ def write_report(
         f"with Adam ({b.batch_size} images per step, lr {b.lr} with cosine decay over the "
         f"cap of {b.steps} steps, random flips as `lsn_paper.train`) and early stopping: "
         f"validation Dice (pooled over the validation images, threshold ½ on the (mean) logit) "
-        f"every {b.eval_every} steps, stop after {b.patience} evaluations without improvement, "
+        f"every {b.eval_every} steps, stop after {b.patience} evaluations without improvement "
+        f"(not before step {b.min_steps}), "
         "best checkpoint kept. U-Nets: BCE with `pos_weight` as `lsn_paper.EVAL_FACTORS` "
         "(lesions 4, nuclei 1); SSNs: `lsn_paper`'s `ssn_loss` objective (20 antithetic logit "
         f"samples, unweighted). Ensemble: {b.ensemble} U-Nets, the first being the MAP U-Net and "
@@ -990,6 +1027,12 @@ def write_report(
     for d in datasets:
         data, n_id = load(d, b)
         intro.append(f"- {d}: {data.notes}; the first {min(n_id, b.n_test)} (clean) test images.")
+    recs = [r for v in rep.res.values() for r in v["nets"].values()]
+    intro.append(
+        f"Early stopping reached its patience in {sum(r['stopped_early'] for r in recs)} of "
+        f"{len(recs)} networks; the others hit the cap of {b.steps} steps (details and the cost "
+        "of each part: last section)."
+    )
     intro.append(
         "**Scores.** Pixel: predictive entropy of the total predictive `E p` (nats). Image: the "
         "mean pixel entropy; and a foreground-adjusted variant, the mean entropy within the "
