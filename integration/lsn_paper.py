@@ -321,14 +321,15 @@ class EarlyStopping:
     ``every`` steps; training stops after ``patience`` evaluations without improvement and
     the network returns with the weights of its best evaluation. :func:`train` fills in
     ``best_step``, ``best_score`` and ``steps_run``; ``stopped`` says whether the patience ran
-    out before the step cap. No stop before ``min_steps`` (a network still at background in its
-    first evaluations, Dice 0, is not cut off).
+    out before the step cap. No stop before ``min_steps``, nor while the best score is still at
+    or below ``floor`` (e.g. a network at background, Dice 0, runs to the cap).
     """
 
     score: Callable[[nn.Module], float]
     every: int
     patience: int
     min_steps: int = 0
+    floor: float = -math.inf
     best_step: int = 0
     best_score: float = -math.inf
     steps_run: int = 0
@@ -347,7 +348,9 @@ class EarlyStopping:
             self.best_score, self.best_step = score, step
             self._best = {k: v.detach().clone() for k, v in net.state_dict().items()}
         self.stopped = (
-            step >= self.min_steps and step - self.best_step >= self.patience * self.every
+            step >= self.min_steps
+            and self.best_score > self.floor
+            and step - self.best_step >= self.patience * self.every
         )
         return self.stopped
 

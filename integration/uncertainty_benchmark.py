@@ -97,6 +97,8 @@ class ConvergedBudget(lp.Budget):
         eval_every, patience: Validation Dice every ``eval_every`` steps; stop after
             ``patience`` evaluations without improvement and keep the best weights.
         min_steps: No early stop before this many steps.
+        stop_floor: No early stop while the best validation Dice is at or below it (0: a
+            network still predicting background runs to the cap).
         n_dropout: MC-dropout passes.
         n_bootstrap: Bootstrap resamples of the test images.
         fg_dilation: Dilation (pixels) of the predicted foreground for the foreground-adjusted
@@ -118,6 +120,7 @@ class ConvergedBudget(lp.Budget):
     eval_every: int = 50
     patience: int = 4
     min_steps: int = 300
+    stop_floor: float = 0.0
     n_dropout: int = 50
     n_bootstrap: int = 1000
     fg_dilation: int = 3
@@ -199,7 +202,11 @@ class ConvergedCache(lp.Cache):
             return net.eval(), json.loads(record_path.read_text())
         b = self.budget
         stopping = lp.EarlyStopping(
-            lambda n: validation_dice(n, data), b.eval_every, b.patience, b.min_steps
+            lambda n: validation_dice(n, data),
+            b.eval_every,
+            b.patience,
+            b.min_steps,
+            b.stop_floor,
         )
         t0 = time.perf_counter()
         net = lp.train(spec, data, factor, seed, b, stopping)
@@ -900,7 +907,8 @@ def _section_training(rep: Report) -> str:
         )
         + f"\n\nEarly stopping reached its patience in {n_stopped} of {n_all} networks; the "
         f"others ran to the cap of {rep.b.steps} steps (their best checkpoint is still kept). "
-        f"No stop before step {rep.b.min_steps}. Networks whose best validation Dice stayed "
+        f"No stop before step {rep.b.min_steps} or while the best Dice was still "
+        f"{rep.b.stop_floor:g}. Networks whose best validation Dice stayed "
         "below 0.05 (still predicting background): "
         + (", ".join(collapsed) or "none")
         + ".\n\n"
@@ -1012,7 +1020,7 @@ def write_report(
         f"cap of {b.steps} steps, random flips as `lsn_paper.train`) and early stopping: "
         f"validation Dice (pooled over the validation images, threshold ½ on the (mean) logit) "
         f"every {b.eval_every} steps, stop after {b.patience} evaluations without improvement "
-        f"(not before step {b.min_steps}), "
+        f"(not before step {b.min_steps}, nor while the best Dice is still {b.stop_floor:g}), "
         "best checkpoint kept. U-Nets: BCE with `pos_weight` as `lsn_paper.EVAL_FACTORS` "
         "(lesions 4, nuclei 1); SSNs: `lsn_paper`'s `ssn_loss` objective (20 antithetic logit "
         f"samples, unweighted). Ensemble: {b.ensemble} U-Nets, the first being the MAP U-Net and "

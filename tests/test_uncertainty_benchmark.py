@@ -116,3 +116,27 @@ def test_image_statistics_score_is_a_mahalanobis_distance(bench):
     diff = s[0] - s.mean(0)
     ref = (diff @ torch.linalg.inv(torch.cov(s.T)) @ diff).sqrt().item()
     assert d["same"][0] == pytest.approx(ref, rel=1e-6)
+
+
+def test_early_stopping_keeps_the_best_weights_and_respects_min_steps_and_floor(bench):
+    lp = sys.modules["lsn_paper"]
+
+    def run(scores, **kw):
+        net = torch.nn.Linear(1, 1)
+        it = iter(scores)
+        stop = lp.EarlyStopping(lambda n: next(it), every=10, patience=2, **kw)
+        for step in range(1, 101):
+            with torch.no_grad():
+                net.weight.fill_(step)
+            if stop.check(net, step, last=step == 100):
+                break
+        stop.restore(net)
+        return stop, net.weight.item()
+
+    stop, w = run([0.1, 0.5, 0.4, 0.3, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9])
+    assert (stop.best_step, stop.steps_run, stop.stopped, w) == (20, 40, True, 20.0)
+    stop, _ = run([0.1, 0.5, 0.4, 0.3, 0.2, 0.1, 0.9, 0.1, 0.1, 0.1], min_steps=60)
+    assert (stop.best_step, stop.steps_run) == (20, 60)
+    stop, w = run([0.0] * 6 + [0.3] + [0.1] * 3, floor=0.0)  # Dice 0: no stop until it moves
+    assert (stop.best_step, stop.steps_run, stop.stopped, w) == (70, 90, True, 70.0)
+    assert run([0.0] * 6 + [0.3] + [0.1] * 3)[0].steps_run == 30  # without the floor
