@@ -582,10 +582,19 @@ def _boot_image_metric(metric: str, per_image: dict, idx: Tensor) -> Tensor:
     return a
 
 
+def _resampled_sum(per_image: Tensor, idx: Tensor) -> Tensor:
+    """``per_image[idx].sum(1)`` as (multiplicities ``[R, n]``) @ ``per_image`` (float64),
+    without the ``[R, n, …]`` gather."""
+    weights = torch.zeros(idx.shape[0], len(per_image), dtype=torch.float64)
+    weights.scatter_add_(1, idx, torch.ones(idx.shape, dtype=torch.float64))
+    out = weights @ per_image.double().reshape(len(per_image), -1)
+    return out.squeeze(1) if per_image.dim() == 1 else out
+
+
 def _boot_pixel_metric(metric: str, s: dict, idx: Tensor) -> Tensor:
     """``[R]`` values of a pooled pixel metric on resampled images, from per-image sums."""
     if metric in ("auroc", "auprc"):
-        pos, neg = s["hist_err"][idx].sum(1).double(), s["hist_ok"][idx].sum(1).double()
+        pos, neg = _resampled_sum(s["hist_err"], idx), _resampled_sum(s["hist_ok"], idx)
         n_pos, n_neg = pos.sum(1), neg.sum(1)
         if metric == "auroc":
             below = torch.cumsum(neg, 1) - neg
@@ -596,9 +605,9 @@ def _boot_pixel_metric(metric: str, s: dict, idx: Tensor) -> Tensor:
         prec = torch.where(tp + fp > 0, tp / (tp + fp).clamp_min(1), 0.0)
         return torch.where(n_pos > 0, (pos * prec).sum(1) / n_pos, torch.nan)
     if metric == "ece":
-        n, acc, conf = (s[k][idx].sum(1) for k in ("ece_n", "ece_acc", "ece_conf"))
+        n, acc, conf = (_resampled_sum(s[k], idx) for k in ("ece_n", "ece_acc", "ece_conf"))
         return (acc - conf).abs().sum(1) / n.sum(1)
-    return s[metric][idx].sum(1) / s["pixels"][idx].sum(1)
+    return _resampled_sum(s[metric], idx) / _resampled_sum(s["pixels"], idx)
 
 
 def bootstrap(per_seed: list[tuple[int, object]], b: ConvergedBudget, seed: int = 0):

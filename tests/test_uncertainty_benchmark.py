@@ -95,6 +95,8 @@ def test_bootstrap_histograms_agree_with_the_exact_metrics(bench):
         got = bench._boot_pixel_metric(metric, sums, every).item()
         tol = {"auroc": 2e-3, "auprc": 1e-2}.get(metric, 1e-9)  # binned: ties within a bin
         assert got == pytest.approx(exact[metric], abs=tol), metric
+        many = torch.randint(0, 12, (5, 12), generator=g)
+        assert bench._boot_pixel_metric(metric, sums, many).shape == (5,), metric
     per = {k: exact[k] for k in ("u_mean", "u_fg", "dice_per_image")}
     for metric in ("aurc", "e_aurc", "spearman"):
         got = bench._boot_image_metric(metric, per, every).item()
