@@ -38,6 +38,7 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lsn_paper as lp
 from _common import machine
 
-from lsn_ext import predict
+from lsn_ext import gridsearch_prior_precision, predict
 from lsn_ext.data import nuclei_volume_slices
 from lsn_ext.lsn import ensemble_predict, mc_dropout_predict, predict_lsn
 from lsn_ext.metrics import (
@@ -77,11 +78,31 @@ METHODS = (
     ENSEMBLE,
     "U-Net + LA (nn)",
     "U-Net + LA (glm)",
+    "U-Net + LA (glm, marglik)",
     "LSN (nn)",
     "LSN (glm)",
+    "LSN (glm, marglik)",
     "LSN (diag) (nn)",
     "LSN (diag) (glm)",
 )
+# Laplace methods: (posterior, predictive, prior). "grid": validation NLL of *that* predictive
+# over the prior grid (gridsearch_prior_precision with pred_type); "marglik": laplace-torch's
+# marginal likelihood, one scalar (independent of the predictive).
+LAPLACE = {
+    "U-Net + LA (nn)": ("U-Net + LA", "nn", "grid"),
+    "U-Net + LA (glm)": ("U-Net + LA", "glm", "grid"),
+    "U-Net + LA (glm, marglik)": ("U-Net + LA", "glm", "marglik"),
+    "LSN (nn)": ("LSN", "nn", "grid"),
+    "LSN (glm)": ("LSN", "glm", "grid"),
+    "LSN (glm, marglik)": ("LSN", "glm", "marglik"),
+    "LSN (diag) (nn)": ("LSN (diag)", "nn", "grid"),
+    "LSN (diag) (glm)": ("LSN (diag)", "glm", "grid"),
+}
+POSTERIOR_NETS = {"U-Net + LA": "unet0", "LSN": "ssn", "LSN (diag)": "ssn_diag"}
+# BCE foreground weight of every network: the lesions' 1:8 imbalance makes unweighted U-Nets
+# and rank-0 SSNs stay at background (lsn_paper Table 1); one factor for all keeps the
+# calibration comparison fair (the weighting shifts every method's probabilities alike).
+FACTORS = {"lesions": 4, "nuclei": 1}
 IMAGE_STATS = "image statistics"
 NETS = ("unet0", "unet1", "unet2", "unet3", "unet4", "unet_do", "ssn", "ssn_diag")
 ECE_BINS = 15
@@ -112,7 +133,8 @@ class ConvergedBudget(lp.Budget):
     n_test: int = 64
     n_eval: int = 64
     n_shift: int = 32
-    steps: int = 600
+    steps: int = 800
+    n_val_samples: int = 8
     widths: tuple[int, ...] = (8, 16, 32, 64)
     ensemble: int = 5
     n_epistemic: int = 16
@@ -246,6 +268,14 @@ def _la_predict(la: object, x: Tensor, n: int, pred_type: str, seed: int) -> obj
     return predict(la, x, n, pred_type=pred_type, link_approx="mc", generator=gen)
 
 
+def _set_prior(posteriors: dict, method: str) -> tuple[object, str]:
+    """Set the prior precision that ``method`` uses on its posterior; ``(la, pred_type)``."""
+    name, pred_type, choice = LAPLACE[method]
+    la, priors = posteriors[name]
+    la.prior_precision = priors[f"{pred_type}-{choice}"]
+    return la, pred_type
+
+
 def predictors(
     nets: dict[str, nn.Module], posteriors: dict[str, object], b: ConvergedBudget, seed: int
 ) -> dict[str, object]:
@@ -265,20 +295,13 @@ def predictors(
         torch.manual_seed(seed)
         return from_seg(mc_dropout_predict(nets["unet_do"], x, b.n_dropout))
 
-    def la(pt: str):
-        return lambda x: from_seg(_la_predict(posteriors["U-Net + LA"], x, b.n_epistemic, pt, seed))
-
-    def lsn(name: str, net: str, pt: str):
+    def laplace(method: str):
         def run(x: Tensor) -> Pred:
-            p = predict_lsn(
-                posteriors[name],
-                nets[net],
-                x,
-                b.n_epistemic,
-                b.n_aleatoric,
-                seed=seed,
-                pred_type=pt,
-            )
+            la, pt = _set_prior(posteriors, method)
+            net = nets[POSTERIOR_NETS[LAPLACE[method][0]]]
+            if not isinstance(net, SSN):
+                return from_seg(_la_predict(la, x, b.n_epistemic, pt, seed))
+            p = predict_lsn(la, net, x, b.n_epistemic, b.n_aleatoric, seed=seed, pred_type=pt)
             return Pred(
                 p.total_mean, p.entropy, p.epistemic.mutual_information, p.epistemic.variance
             )
@@ -290,20 +313,16 @@ def predictors(
         "MC dropout": dropout,
         ENSEMBLE: lambda x: from_seg(ensemble_predict(members, x)),
     }
-    for pt in ("nn", "glm"):
-        total[f"U-Net + LA ({pt})"] = la(pt)
-        total[f"LSN ({pt})"] = lsn("LSN", "ssn", pt)
-        total[f"LSN (diag) ({pt})"] = lsn("LSN (diag)", "ssn_diag", pt)
+    total |= {m: laplace(m) for m in LAPLACE}
     return {m: total[m] for m in METHODS}
 
 
 def _epistemic_variance(method: str, posteriors: dict, fn: object, x: Tensor, b, seed) -> Tensor:
     """Epistemic ``Var p`` for the Box Ratio; LA/LSN directly from their posteriors (the LSN's
     epistemic map is the mean network's, :func:`lsn_ext.lsn.predict_lsn`)."""
-    for name in ("U-Net + LA", "LSN (diag)", "LSN"):
-        if method.startswith(name + " ("):
-            pt = method.rsplit("(", 1)[1].rstrip(")")
-            return _la_predict(posteriors[name], x, b.n_epistemic, pt, seed).variance
+    if method in LAPLACE:
+        la, pt = _set_prior(posteriors, method)
+        return _la_predict(la, x, b.n_epistemic, pt, seed).variance
     return fn(x).variance
 
 
@@ -441,22 +460,17 @@ def unit(cache: ConvergedCache, dataset: str, seed: int) -> dict:
         data, n_id = load(dataset, b)
         timing: dict[str, float] = {}
         t0 = time.perf_counter()
-        f_unet, f_ssn = lp.EVAL_FACTORS[dataset]
+        factor = FACTORS[dataset]
         nets, records = {}, {}
         for k, spec in specs(b).items():
-            factor = f_ssn if spec.kind == "ssn" else f_unet
             nets[k], records[k] = cache.net_and_record(spec, data, factor, seed)
         timing["train (this run)"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         posteriors, prior_info = {}, {}
-        for name, key, factor in (
-            ("U-Net + LA", "unet0", f_unet),
-            ("LSN", "ssn", f_ssn),
-            ("LSN (diag)", "ssn_diag", f_ssn),
-        ):
-            posteriors[name], prior_info[name] = lp.fit_posterior(
-                cache, name, nets[key], data, factor, seed
-            )
+        for name, key in POSTERIOR_NETS.items():
+            la, info = lp.fit_posterior(cache, name, nets[key], data, factor, seed)
+            info = dict(info, **tune_priors(la, info, data, b, seed))
+            posteriors[name], prior_info[name] = (la, info), info
         timing["posteriors"] = time.perf_counter() - t0
 
         x_id, y_id = data.test_x[:n_id][: b.n_test], data.test_y[:n_id][: b.n_test]
@@ -522,6 +536,30 @@ def unit(cache: ConvergedCache, dataset: str, seed: int) -> dict:
         }
 
     return cache.result(f"unc-{dataset}-s{seed}", compute)
+
+
+def tune_priors(la: object, info: dict, data: lp.Data, b: ConvergedBudget, seed: int) -> dict:
+    """The prior precisions of the Laplace methods: the validation-NLL grid of the ``nn``
+    predictive (``info``, from :func:`lsn_paper.fit_posterior`), the same grid scored with the
+    ``glm`` predictive, and laplace-torch's scalar marginal likelihood."""
+    grid = [10.0**k for k in b.prior_exponents]
+    search = gridsearch_prior_precision(
+        la, lp._loader(data.val_x, data.val_y), grid=grid, n_samples=b.n_val_samples,
+        pred_type="glm", seed=seed,
+    )  # fmt: skip
+    with warnings.catch_warnings():  # laplace-torch's note on link_approx is for its grid search
+        warnings.filterwarnings("ignore", "By default `link_approx`", UserWarning)
+        la.prior_precision = 1.0
+        la.optimize_prior_precision(method="marglik", prior_structure="scalar", n_steps=200)
+    marglik = float(la.prior_precision)
+    la.prior_precision = info["prior_precision"]
+    best = grid.index(search.prior_precision)
+    return {
+        "nn-grid": info["prior_precision"],
+        "glm-grid": search.prior_precision,
+        "glm-marglik": marglik,
+        "glm_at_edge": best in (0, len(grid) - 1),
+    }
 
 
 def _run_unit(args: tuple) -> tuple[tuple, float]:
@@ -880,14 +918,24 @@ def _section_training(rep: Report) -> str:
         (d, name, info) for (d, _), v in rep.res.items() for name, info in v["posteriors"].items()
     ]
     prior_rows = []
+
+    def span(values: list[float]) -> str:
+        return f"{min(values):.1e} … {max(values):.1e}"
+
     for d in rep.datasets:
-        for name in ("U-Net + LA", "LSN", "LSN (diag)"):
-            vals = [i["prior_precision"] for dd, n, i in priors if dd == d and n == name]
-            edge = sum(i["at_edge"] for dd, n, i in priors if dd == d and n == name)
+        for name in POSTERIOR_NETS:
+            infos = [i for dd, n, i in priors if dd == d and n == name]
             prior_rows.append(
-                [f"{d}: {name}", f"{min(vals):.0e} … {max(vals):.0e}", f"{edge}/{len(vals)}"]
+                [
+                    f"{d}: {name}",
+                    span([i["nn-grid"] for i in infos]),
+                    f"{sum(i['at_edge'] for i in infos)}/{len(infos)}",
+                    span([i["glm-grid"] for i in infos]),
+                    f"{sum(i['glm_at_edge'] for i in infos)}/{len(infos)}",
+                    span([i["glm-marglik"] for i in infos]),
+                ]
             )
-    n_edge = sum(i["at_edge"] for _, _, i in priors)
+    n_edge = sum(i["at_edge"] + i["glm_at_edge"] for _, _, i in priors)
     collapsed = [
         f"{d} seed {s} {k} ({r['best_val_dice']:.2f})"
         for (d, s), v in rep.res.items()
@@ -922,11 +970,21 @@ def _section_training(rep: Report) -> str:
         + (", ".join(collapsed) or "none")
         + ".\n\n"
         + lp._table(
-            ["posterior", "prior precision chosen (range over seeds)", "at grid edge"], prior_rows
+            [
+                "posterior",
+                "prior: nn grid (range over seeds)",
+                "at edge",
+                "prior: glm grid",
+                "at edge",
+                "prior: marglik",
+            ],
+            prior_rows,
         )
-        + f"\n\nPrior precision by validation NLL on 10^{rep.b.prior_exponents[0]}…"
-        f"10^{rep.b.prior_exponents[-1]}: at an end of the grid in {n_edge} of {len(priors)} "
-        "fits. At the upper end the posterior is nearly a point mass at the trained weights, "
+        + f"\n\nPrior precision by validation NLL of each predictive on "
+        f"10^{rep.b.prior_exponents[0]}…10^{rep.b.prior_exponents[-1]} "
+        f"({rep.b.n_val_samples} posterior samples per candidate), and by laplace-torch's "
+        f"scalar marginal likelihood: at an end of the grid in {n_edge} of {2 * len(priors)} "
+        "searches. At the upper end the posterior is nearly a point mass at the trained weights, "
         "so the Laplace predictive equals the MAP's (U-Net + LA ≈ MAP entropy; LSN ≈ the SSN's "
         "own aleatoric predictive) and `nn` and `glm` coincide.\n\n"
         + lp._table(["part", "CPU min, all units", "longest unit, min"], timing_rows)
@@ -1030,13 +1088,17 @@ def write_report(
         f"validation Dice (pooled over the validation images, threshold ½ on the (mean) logit) "
         f"every {b.eval_every} steps, stop after {b.patience} evaluations without improvement "
         f"(not before step {b.min_steps}, nor while the best Dice is still {b.stop_floor:g}), "
-        "best checkpoint kept. U-Nets: BCE with `pos_weight` as `lsn_paper.EVAL_FACTORS` "
-        "(lesions 4, nuclei 1); SSNs: `lsn_paper`'s `ssn_loss` objective (20 antithetic logit "
-        f"samples, unweighted). Ensemble: {b.ensemble} U-Nets, the first being the MAP U-Net and "
+        "best checkpoint kept. Foreground weight of every network's likelihood (U-Nets: "
+        "BCE `pos_weight`; SSNs: `lsn_paper`'s `ssn_loss` objective, 20 antithetic logit "
+        f"samples): {', '.join(f'{d} {FACTORS[d]}' for d in datasets)} (unweighted lesion U-Nets "
+        "and rank-0 SSNs stay at background, `lsn_paper` Table 1; one weight for all keeps the "
+        f"calibration comparison even). Ensemble: {b.ensemble} U-Nets, the first being the MAP "
+        "U-Net and "
         f"U-Net + LA's; MC dropout: p = {b.dropout}, {b.n_dropout} passes. Laplace: diagonal GGN "
         '(`estimator="mc"`) over all weights of the U-Net, or of the SSN\'s backbone and mean '
-        "head (LSN), prior precision by validation NLL over "
-        f"10^{b.prior_exponents[0]}…10^{b.prior_exponents[-1]}; predictives with "
+        "head (LSN); prior precision by the validation NLL of the predictive used (`nn` or "
+        f"`glm`, grid 10^{b.prior_exponents[0]}…10^{b.prior_exponents[-1]}), or by scalar "
+        "marglik (`glm, marglik`); predictives with "
         f'{b.n_epistemic} posterior samples (`link_approx="mc"`), LSN with {b.n_aleatoric} '
         "logit samples per posterior sample; `nn`: the network at sampled weights, `glm`: "
         "its linearisation.",
