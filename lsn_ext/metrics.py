@@ -37,6 +37,19 @@ def _per_image_sum(x: Tensor) -> Tensor:
     return x.flatten(1).sum(1)
 
 
+def _check_variance(v: Tensor, name: str) -> None:
+    """Refuse variance maps that are not floating, finite and non-negative."""
+    if not v.is_floating_point():
+        raise ValueError(f"{name} must be a floating variance map, got dtype {v.dtype}")
+    if not bool(torch.isfinite(v).all()):
+        raise ValueError(f"{name} has NaN or inf entries")
+    if bool((v < 0).any()):
+        raise ValueError(
+            f"{name} has negative entries (smallest {v.min().item():.3g}): a variance map is "
+            "non-negative"
+        )
+
+
 def pixel_ratio(var_id: Tensor, var_ood: Tensor) -> Tensor:
     """Pixel Ratio (LSN Eq. 16): ``Σ_s Var σ(η_s(x_OOD)) / Σ_s Var σ(η_s(x))`` per image.
 
@@ -48,13 +61,23 @@ def pixel_ratio(var_id: Tensor, var_ood: Tensor) -> Tensor:
         ``[N]``; values above 1 mean more variance on the corrupted image.
 
     Raises:
-        ValueError: If the shapes differ.
+        ValueError: If the shapes differ, a map is negative or not finite, or a clean image's
+            map is zero everywhere (the ratio is undefined).
     """
     if var_id.shape != var_ood.shape:
         raise ValueError(
             f"variance maps differ in shape: {tuple(var_id.shape)} vs {tuple(var_ood.shape)}"
         )
-    return _per_image_sum(var_ood) / _per_image_sum(var_id)
+    _check_variance(var_id, "var_id")
+    _check_variance(var_ood, "var_ood")
+    clean = _per_image_sum(var_id)
+    if bool((clean == 0).any()):
+        i = int(torch.nonzero(clean == 0)[0])
+        raise ValueError(
+            f"var_id of image {i} is zero everywhere: its Pixel Ratio is undefined (a variance "
+            "map of a point-mass posterior?); leave such images out or use the median over images"
+        )
+    return _per_image_sum(var_ood) / clean
 
 
 def box_ratio(var_ood: Tensor, box: Tensor) -> Tensor:
@@ -69,13 +92,36 @@ def box_ratio(var_ood: Tensor, box: Tensor) -> Tensor:
 
     Returns:
         ``[N]`` in ``[0, 1]``.
+
+    Raises:
+        ValueError: If the box masks are not binary or do not match the maps (one mask per
+            map, the same image size), a map is negative or not finite, or zero everywhere
+            (no variance to locate).
     """
     if var_ood.dim() == 3:
         var_ood = var_ood.unsqueeze(1)
     if box.dim() == 3:
         box = box.unsqueeze(1)
+    if var_ood.dim() != 4 or box.dim() != 4 or box.shape[1] != 1:
+        raise ValueError(
+            f"expected maps [N, K, H, W] and box masks [N, 1, H, W]; got {tuple(var_ood.shape)} "
+            f"and {tuple(box.shape)}"
+        )
+    if box.shape[0] != var_ood.shape[0] or box.shape[2:] != var_ood.shape[2:]:
+        raise ValueError(
+            f"box masks {tuple(box.shape)} do not match the variance maps "
+            f"{tuple(var_ood.shape)}: give one mask of the image's size per map"
+        )
+    _check_binary(box, "box")
+    _check_variance(var_ood, "var_ood")
+    total = _per_image_sum(var_ood)
+    if bool((total == 0).any()):
+        i = int(torch.nonzero(total == 0)[0])
+        raise ValueError(
+            f"the variance map of image {i} is zero everywhere: its Box Ratio is undefined"
+        )
     inside = var_ood * box.to(var_ood.dtype)
-    return _per_image_sum(inside) / _per_image_sum(var_ood)
+    return _per_image_sum(inside) / total
 
 
 def sample_boxes(
@@ -128,6 +174,11 @@ def noise_box(images: Tensor, *, generator: torch.Generator | None = None) -> tu
         ``(corrupted, box_masks)``: ``[N, C, S, S]`` and ``[N, 1, S, S]`` booleans.
     """
     _, masks = sample_boxes(images.shape[0], _side(images), generator=generator)
+    if not images.is_floating_point():
+        raise ValueError(
+            f"noise_box needs floating images (uniform noise), got dtype {images.dtype}; convert "
+            "them first, e.g. images.float()"
+        )
     lo = images.flatten(1).amin(1).view(-1, 1, 1, 1)
     hi = images.flatten(1).amax(1).view(-1, 1, 1, 1)
     noise = lo + (hi - lo) * torch.rand(images.shape, generator=generator, dtype=images.dtype)
@@ -162,7 +213,16 @@ def _side(images: Tensor) -> int:
 
 
 def per_image_entropy(entropy: Tensor) -> Tensor:
-    """Mean per-pixel predictive entropy of each image (LSN Fig. 7): ``[N, …] → [N]``."""
+    """Mean per-pixel predictive entropy of each image (LSN Fig. 7): ``[N, …] → [N]``.
+
+    Raises:
+        ValueError: For a tensor without pixel axes (``[N]`` is already one value per image).
+    """
+    if entropy.dim() < 2:
+        raise ValueError(
+            f"expected entropy maps [N, *spatial], got shape {tuple(entropy.shape)}; a [N] "
+            "tensor is already one value per image"
+        )
     return entropy.flatten(1).mean(1)
 
 
@@ -172,11 +232,14 @@ def auroc(scores_id: Tensor, scores_ood: Tensor) -> float:
     The Mann–Whitney statistic ``P(s_OOD > s_ID) + ½ P(s_OOD = s_ID)`` over all pairs.
 
     Raises:
-        ValueError: If either set is empty.
+        ValueError: If either set is empty or a score is NaN or infinite.
     """
     a, b = scores_id.flatten(), scores_ood.flatten()
     if a.numel() == 0 or b.numel() == 0:
         raise ValueError("auroc needs at least one ID and one OOD score")
+    for name, t in (("scores_id", a), ("scores_ood", b)):
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} must be finite; got NaN or inf (check the predictive)")
     greater = (b[:, None] > a[None, :]).to(torch.float64).mean()
     ties = (b[:, None] == a[None, :]).to(torch.float64).mean()
     return (greater + 0.5 * ties).item()
@@ -186,10 +249,17 @@ def iou(prediction: Tensor, target: Tensor) -> float:
     """Intersection over union of binary masks, pooled over all images: ``|P ∩ T| / |P ∪ T|``.
 
     Returns 1 when both masks are empty.
+
+    Raises:
+        ValueError: If the shapes differ or a mask is not binary (threshold probabilities and
+            soft labels first, e.g. ``p > 0.5``).
     """
-    p, t = prediction.bool(), target.bool()
-    if p.shape != t.shape:
-        raise ValueError(f"masks differ in shape: {tuple(p.shape)} vs {tuple(t.shape)}")
+    if prediction.shape != target.shape:
+        raise ValueError(
+            f"masks differ in shape: {tuple(prediction.shape)} vs {tuple(target.shape)}"
+        )
+    p = _check_binary(prediction, "prediction")
+    t = _check_binary(target, "target")
     union = (p | t).sum().item()
     return 1.0 if union == 0 else (p & t).sum().item() / union
 
@@ -206,11 +276,10 @@ def average_precision(scores: Tensor, labels: Tensor) -> float:
         labels: Booleans (or 0/1) of the same shape.
 
     Raises:
-        ValueError: If the shapes differ or there is no positive label.
+        ValueError: If the shapes differ, a score is NaN or infinite, a label is not binary, or
+            there is no positive label.
     """
-    if scores.shape != labels.shape:
-        raise ValueError(f"scores {tuple(scores.shape)} and labels {tuple(labels.shape)} differ")
-    s, y = scores.flatten().double(), labels.flatten().bool()
+    s, y = _check_scores(scores, labels)
     n_pos = int(y.sum())
     if n_pos == 0:
         raise ValueError("average_precision needs at least one positive label")
@@ -239,8 +308,14 @@ def boundary_band(mask: Tensor, width: int = 2) -> Tensor:
     Returns:
         Booleans of ``mask``'s shape.
     """
-    if width < 1:
-        raise ValueError(f"width must be at least 1, got {width}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be an int of at least 1 (pixels), got {width!r}")
+    if mask.dim() not in (3, 4) or (mask.dim() == 4 and mask.shape[1] != 1):
+        raise ValueError(
+            f"expected masks [N, 1, H, W] or [N, H, W], got shape {tuple(mask.shape)} (add the "
+            "batch axis to a single [H, W] mask: mask[None])"
+        )
+    _check_binary(mask, "mask")
     m = mask.unsqueeze(1) if mask.dim() == 3 else mask
     m = m.double()
     k = 2 * width + 1
@@ -266,8 +341,9 @@ def boundary_share(variance: Tensor, mask: Tensor, width: int = 2) -> tuple[floa
     """
     if variance.shape != mask.shape:
         raise ValueError(f"variance {tuple(variance.shape)} and mask {tuple(mask.shape)} differ")
+    _check_variance(variance, "variance")
     total = variance.sum()
-    if not bool(torch.isfinite(variance).all()) or not total > 0:
+    if not total > 0:
         raise ValueError(
             f"boundary_share needs finite non-negative variance maps with a positive sum; got "
             f"sum {total.item()} (a zero map has no share to split)"

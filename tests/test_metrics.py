@@ -1,11 +1,17 @@
+import math
+
 import numpy as np
 import pytest
 import torch
 
 from lsn_ext import metrics
+from lsn_ext.data import random_flips
 from lsn_ext.metrics import (
     auroc,
+    average_precision,
     black_box,
+    boundary_band,
+    boundary_share,
     box_ratio,
     iou,
     noise_box,
@@ -143,7 +149,7 @@ def test_boundary_band_is_the_ring_around_the_boundary():
 def test_boundary_share_refuses_maps_without_a_share(variance):
     mask = torch.zeros(1, 1, 6, 6)
     mask[0, 0, 2:4, 2:4] = 1
-    with pytest.raises(ValueError, match=r"boundary_share|differ"):
+    with pytest.raises(ValueError, match=r"boundary_share|differ|NaN or inf"):
         metrics.boundary_share(variance, mask)
 
 
@@ -277,3 +283,99 @@ def test_dice_per_image_conventions():
 def test_failure_metrics_refuse_bad_inputs(fn, args, match):
     with pytest.raises(ValueError, match=match):
         fn(*args)
+
+
+def _box_mask(n: int = 1, size: int = 8) -> torch.Tensor:
+    box = torch.zeros(n, 1, size, size, dtype=torch.bool)
+    box[:, :, 2:4, 2:4] = True
+    return box
+
+
+# Each call gave a silently wrong number (or an obscure error) before: the cases of the second
+# hardening round.
+BAD_METRIC_CALLS = {
+    "iou-probabilities": (
+        lambda: iou(torch.full((1, 4), 0.3), torch.ones(1, 4)),
+        r"prediction must be binary .* threshold",
+    ),
+    "iou-soft-labels": (
+        lambda: iou(torch.ones(1, 4), torch.full((1, 4), 0.5)),
+        r"target must be binary",
+    ),
+    "average-precision-soft-labels": (
+        lambda: average_precision(torch.rand(4), torch.tensor([0, 0, 0.5, 1.0])),
+        r"labels must be binary",
+    ),
+    "average-precision-nan-score": (
+        lambda: average_precision(torch.tensor([0.1, float("nan"), 0.3]), torch.tensor([0, 1, 1])),
+        r"scores must be finite",
+    ),
+    "auroc-nan-score": (
+        lambda: auroc(torch.tensor([0.1, float("nan")]), torch.tensor([0.5])),
+        r"scores_id must be finite",
+    ),
+    "auroc-inf-score": (
+        lambda: auroc(torch.tensor([0.1, 0.2]), torch.tensor([math.inf])),
+        r"scores_ood must be finite",
+    ),
+    "box-ratio-zero-map": (
+        lambda: box_ratio(torch.zeros(1, 1, 8, 8), _box_mask()),
+        r"image 0 is zero everywhere: its Box Ratio is undefined",
+    ),
+    "box-ratio-batch-mismatch": (
+        lambda: box_ratio(torch.rand(1, 1, 8, 8), _box_mask(3)),
+        r"box masks \(3, 1, 8, 8\) do not match the variance maps \(1, 1, 8, 8\)",
+    ),
+    "box-ratio-other-size": (
+        lambda: box_ratio(torch.rand(2, 1, 8, 8), _box_mask(2, 6)),
+        r"one mask of the image's size per map",
+    ),
+    "pixel-ratio-zero-clean-map": (
+        lambda: pixel_ratio(torch.zeros(2, 1, 4, 4), torch.rand(2, 1, 4, 4)),
+        r"var_id of image 0 is zero everywhere",
+    ),
+    "pixel-ratio-negative": (
+        lambda: pixel_ratio(torch.rand(1, 1, 4, 4), -torch.rand(1, 1, 4, 4)),
+        r"var_ood has negative entries",
+    ),
+    "boundary-share-negative": (
+        lambda: boundary_share(-torch.rand(1, 1, 8, 8), _box_mask().double()),
+        r"variance has negative entries",
+    ),
+    "boundary-band-float-width": (
+        lambda: boundary_band(_box_mask(), 1.5),
+        r"width must be an int of at least 1 \(pixels\), got 1.5",
+    ),
+    "boundary-band-2d-mask": (
+        lambda: boundary_band(_box_mask()[0, 0]),
+        r"expected masks \[N, 1, H, W\] or \[N, H, W\], got shape \(8, 8\)",
+    ),
+    "noise-box-integer-images": (
+        lambda: noise_box(torch.randint(0, 255, (1, 3, 16, 16))),
+        r"noise_box needs floating images .* torch.int64",
+    ),
+    "per-image-entropy-1d": (
+        lambda: per_image_entropy(torch.rand(5)),
+        r"a \[N\] tensor is already one value per image",
+    ),
+    "random-flips-mismatched-batches": (
+        lambda: random_flips(torch.rand(2, 1, 8, 8), torch.rand(3, 1, 8, 8)),
+        r"same batch size and image size",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_METRIC_CALLS.values(), ids=BAD_METRIC_CALLS.keys())
+def test_bad_metric_inputs_get_a_clear_error(case):
+    call, match = case
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_valid_inputs_still_give_the_documented_values():
+    assert iou(torch.tensor([[1, 1, 0, 0]]), torch.tensor([[1.0, 0.0, 0.0, 0.0]])) == 0.5
+    assert iou(torch.zeros(1, 4, dtype=torch.bool), torch.zeros(1, 4)) == 1.0
+    assert average_precision(torch.tensor([0.9, 0.1]), torch.tensor([True, False])) == 1.0
+    var = torch.zeros(1, 1, 8, 8)
+    var[..., 2:4, 2:4] = 1.0
+    torch.testing.assert_close(box_ratio(var, _box_mask()), torch.ones(1, dtype=var.dtype))

@@ -240,7 +240,16 @@ def random_flips(
 
     Returns:
         ``(x, y)`` flipped (new tensors).
+
+    Raises:
+        ValueError: If images and masks are not ``[N, *, H, W]`` with the same ``N``, ``H``
+            and ``W``.
     """
+    if x.dim() < 3 or y.dim() < 3 or x.shape[0] != y.shape[0] or x.shape[-2:] != y.shape[-2:]:
+        raise ValueError(
+            f"images {tuple(x.shape)} and masks {tuple(y.shape)} must be [N, C, H, W] and "
+            "[N, C', H, W] with the same batch size and image size (one mask per image)"
+        )
     flips = torch.rand(2, x.shape[0], generator=generator) < 0.5
     x, y = x.clone(), y.clone()
     for dim, chosen in zip((-1, -2), flips, strict=True):
