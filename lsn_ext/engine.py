@@ -136,6 +136,7 @@ def diag_backprop(
     with torch.enable_grad(), session:
         logits = model(*args)
     check_logits(logits)
+    session.check_graph(logits)
     f = logits.detach()
     _check_finite_logits(f)
     value = loss_fn.value(f, targets)
@@ -164,6 +165,7 @@ def diag_backprop(
         for n, p, g in zip(names, chosen, grads, strict=True)
     }
     _check_finite_result(diagonals, f.dtype, "DB")
+    _check_non_negative(diagonals)
     return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
 
 
@@ -237,6 +239,26 @@ def _check_finite_result(diagonals: dict[str, Tensor], dtype: torch.dtype, what:
             raise FloatingPointError(
                 f"the {what} diagonal of '{name}' is not finite (overflow in {dtype}); check the "
                 "inputs and weights for extreme values, or compute in float64"
+            )
+
+
+def _check_non_negative(diagonals: dict[str, Tensor]) -> None:
+    """Raise ``RuntimeError`` naming the first parameter whose DB diagonal is negative.
+
+    Every DB step maps non-negative diagonals to non-negative ones, so a negative entry (beyond
+    rounding: ``64 eps`` of the tensor's largest entry) means an operation was propagated with
+    ``J`` instead of ``J²``: a bug, or an unsupported operation that slipped through.
+    """
+    for name, d in diagonals.items():
+        if d.numel() == 0:
+            continue
+        tol = 64 * torch.finfo(d.dtype).eps * float(d.abs().max())
+        if float(d.min()) < -tol:
+            raise RuntimeError(
+                f"the DB diagonal of '{name}' has negative entries (smallest {float(d.min()):.3g})"
+                ": a GGN diagonal is non-negative, so an operation in forward was propagated "
+                "with its Jacobian instead of its square. Please report the model; meanwhile use "
+                "the Monte-Carlo estimator (estimator='mc'), which needs no rules"
             )
 
 
@@ -461,6 +483,7 @@ class _Session(TorchFunctionMode):
         self.blocks = _Blocks()
         self._handles: list[Any] = []
         self._patched: list[tuple[nn.Module, Any]] = []
+        self._function_modules: dict[int, nn.Module] = {}
 
     # -- installation --------------------------------------------------------------------------
 
@@ -480,10 +503,20 @@ class _Session(TorchFunctionMode):
                         hook = module.register_forward_pre_hook(self._refuse)
                         self._handles.append(hook)
                     continue
+                if "forward" in module.__dict__:
+                    raise NotImplementedError(
+                        f"{self.describe(module)} has its forward replaced on the instance; the "
+                        f"rule for {type(module).__name__} describes the class's forward, not "
+                        "the replacement. Remove the override (subclass instead and register a "
+                        "rule for the subclass with lsn_ext.register_rule), or use the "
+                        "Monte-Carlo estimator (estimator='mc')"
+                    )
                 if type(rule).check is not Rule.check:
                     self._handles.append(module.register_forward_pre_hook(self._check))
                 if not rule.is_autograd_exact(module):
                     self._patch(module, rule)
+            for module in self.model.modules():
+                self._handles.append(module.register_forward_hook(self._record_function))
             return super().__enter__()
         except BaseException:
             self._uninstall()
@@ -536,6 +569,54 @@ class _Session(TorchFunctionMode):
             RULES[type(module)].check(module)
         except ValueError as err:
             raise ValueError(f"{self.describe(module)}: {err}") from None
+
+    def _record_function(self, module: nn.Module, args: Any, out: Any) -> None:
+        """Forward hook: remember the innermost module whose output a foreign Function made."""
+        for t in tree_leaves(out):
+            node = getattr(t, "grad_fn", None) if isinstance(t, Tensor) else None
+            if _is_foreign_function(node):
+                self._function_modules.setdefault(id(node), module)
+
+    def check_graph(self, logits: Tensor) -> None:
+        """Refuse ``torch.autograd.Function`` nodes in the graph that DB has no rule for.
+
+        A custom Function's forward runs with grad disabled, so the session never sees its
+        operations, and its backward multiplies DB's diagonal by ``J`` instead of ``J²``:
+        silently wrong curvature. (Functions inside a module with a rule run within that rule's
+        node and leave no node of their own.)
+
+        Raises:
+            NotImplementedError: Naming the Function, the module it was called in, and the
+                alternatives.
+        """
+        seen: set[int] = set()
+        nodes = [logits.grad_fn]
+        while nodes:
+            node = nodes.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if _is_foreign_function(node):
+                cls = node._forward_cls
+                module = self._function_modules.get(id(node))
+                where = "the model's forward" if module is None else self.describe(module)
+                if cls.__name__ == "CheckpointFunction":
+                    raise NotImplementedError(
+                        f"{where} uses torch.utils.checkpoint (reentrant), which diagonal "
+                        "backprop cannot see into. Switch checkpointing off for the curvature, "
+                        "or use the Monte-Carlo estimator (estimator='mc') with "
+                        "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+                    )
+                raise NotImplementedError(
+                    f"Diagonal backprop cannot propagate through the torch.autograd.Function "
+                    f"'{cls.__module__}.{cls.__qualname__}' called in {where}: its backward "
+                    "multiplies by the Jacobian, DB needs its square, and its forward is hidden "
+                    "from DB. Put it in a module of your own and register a rule for that "
+                    "module with lsn_ext.register_rule (or replace it by its plain torch "
+                    "operations, e.g. a memory-efficient swish by nn.SiLU), or use the "
+                    "Monte-Carlo estimator (estimator='mc'), which needs no rules"
+                )
+            nodes.extend(n for n, _ in node.next_functions)
 
     def _refuse(self, module: nn.Module, args: Any) -> None:
         """Pre-hook on a parametric leaf module without a rule: raise the registry's error."""
@@ -655,6 +736,25 @@ class _Session(TorchFunctionMode):
             "lsn_ext.register_rule, or use the Monte-Carlo estimator (estimator='mc' in "
             "lsn_ext.ggn_diagonal and DiagBackprop, their default), which needs no rules."
         )
+
+
+def _identity_functions() -> tuple[type, ...]:
+    """The identity Functions of torch itself, inserted by full backward hooks (BackPACK)."""
+    from torch.nn.modules import _functions
+
+    hook = getattr(_functions, "BackwardHookFunction", None)
+    return (hook,) if hook is not None else ()
+
+
+def _is_foreign_function(node: Any) -> bool:
+    """Whether a graph node is a ``torch.autograd.Function`` that DB cannot propagate through.
+
+    That is any custom Function but this module's rule nodes and torch's identities.
+    """
+    if not isinstance(node, torch.autograd.function.BackwardCFunction):
+        return False
+    known = (_RuleFunction, _ScaleFunction, _ProductFunction, *_identity_functions())
+    return node._forward_cls not in known
 
 
 def _inplace(name: str) -> bool:

@@ -1,0 +1,168 @@
+"""DB refuses what it cannot propagate instead of returning a wrong curvature.
+
+Reproducers of the second hardening round: a ``torch.autograd.Function`` in ``forward`` (its
+backward multiplied DB's diagonal by ``J`` instead of ``J²``: half the curvature for ``y = 2x``,
+negative curvature for a parameter used through one), a rule module whose ``forward`` was
+replaced on the instance, and reentrant checkpointing. The Monte-Carlo estimator, which needs no
+rules, still runs on each and agrees with the exact GGN diagonal in expectation.
+"""
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+import lsn_ext
+from lsn_ext.engine import _check_non_negative
+from lsn_ext.exact import exact_ggn_diagonal
+from tests.model_state import assert_unchanged, snapshot
+
+
+class _Double(torch.autograd.Function):
+    """``y = 2x``, as memory-efficient activations and fused ops are written (functorch-style,
+    so that the exact reference can take its Jacobian)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x):
+        return 2 * x
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad
+
+
+class _Scale(torch.autograd.Function):
+    """``y = w · x`` with a parameter ``w``: DB gave it negative curvature."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, w):
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum().reshape(w.shape)
+
+
+class _DoublingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.head = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x):
+        return self.head(_Double.apply(torch.tanh(self.conv(x))))
+
+
+class _ScaledNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.w = nn.Parameter(torch.tensor([-0.7]))
+        self.head = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(_Scale.apply(self.conv(x), self.w)))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 3, 3, padding=1)
+        self.body = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Tanh())
+        self.head = nn.Conv2d(3, 2, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.body, self.stem(x), use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def _overridden() -> nn.Module:
+    net = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 2, 1))
+    conv = net[0]
+    conv.forward = lambda x: nn.functional.conv2d(x, conv.weight * 2, conv.bias, padding=1)
+    return net
+
+
+def _batch():
+    return torch.randn(2, 1, 5, 5), torch.randint(0, 2, (2, 5, 5))
+
+
+REFUSED = {
+    "function-doubling": (_DoublingNet, r"torch.autograd.Function '.*_Double' called in the "),
+    "function-with-parameter": (_ScaledNet, r"Function '.*_Scale'.*register_rule.*'mc'"),
+    "instance-forward-override": (_overridden, r"'0' \(Conv2d\) has its forward replaced"),
+    "reentrant-checkpoint": (
+        lambda: _Checkpointed(True),
+        r"torch.utils.checkpoint \(reentrant\).*use_reentrant=False",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED.values(), ids=REFUSED.keys())
+def test_db_refuses_what_it_cannot_propagate(case):
+    make, match = case
+    net = make().eval()
+    x, y = _batch()
+    snap = snapshot(net)
+    with pytest.raises(NotImplementedError, match=match):
+        lsn_ext.diag_backprop(net, x, y, "ce")
+    assert_unchanged(net, snap)
+
+
+def test_monte_carlo_through_a_function_is_unbiased():
+    net = _DoublingNet().eval()
+    x, y = _batch()
+    exact = exact_ggn_diagonal(net, x, y, "ce")
+    n = 200
+    runs = [
+        lsn_ext.ggn_diagonal(
+            net, x, y, "ce", estimator="mc", generator=torch.Generator().manual_seed(i)
+        ).diagonals
+        for i in range(n)
+    ]
+    for name, value in exact.items():
+        draws = torch.stack([r[name] for r in runs])
+        mean, se = draws.mean(0), draws.std(0) / n**0.5
+        z = (mean - value) / se.clamp_min(1e-12)
+        assert z.abs().max() < 5, (name, float(z.abs().max()))
+    assert all(bool((v >= 0).all()) for v in exact.values())
+
+
+def test_monte_carlo_names_a_parameter_outside_leaf_modules():
+    x, y = _batch()
+    with pytest.raises(NotImplementedError, match=r"parameter 'w' belongs to '<model>'"):
+        lsn_ext.ggn_diagonal(_ScaledNet().eval(), x, y, "ce", estimator="mc")
+
+
+def test_non_reentrant_checkpointing_works_with_monte_carlo():
+    net = _Checkpointed(False).eval()
+    plain = nn.Sequential()
+    plain.stem, plain.body, plain.head = net.stem, net.body, net.head
+    x, y = _batch()
+    g = lsn_ext.ggn_diagonal(
+        net, x, y, "ce", estimator="mc", generator=torch.Generator().manual_seed(0)
+    )
+    ref = lsn_ext.ggn_diagonal(
+        plain, x, y, "ce", estimator="mc", generator=torch.Generator().manual_seed(0)
+    )
+    torch.testing.assert_close(g.vector, ref.vector)
+
+
+def test_a_negative_db_diagonal_is_reported():
+    with pytest.raises(RuntimeError, match=r"DB diagonal of 'w' has negative entries"):
+        _check_non_negative({"v": torch.ones(3), "w": torch.tensor([1.0, -0.2])})
+    _check_non_negative({"w": torch.tensor([1.0, -1e-20, 0.0])})  # rounding is tolerated
