@@ -50,6 +50,7 @@ maths to register: any leaf module whose forward treats the samples independentl
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -390,6 +391,7 @@ def _monte_carlo(
         check_logits(logits)
         f = logits.detach()
         _check_finite_logits(f)
+        _check_samples_independent(model, owners, args)
         value = loss_fn.value(f, targets)
         if noise is None:
             shape = (mc_samples, *f.shape)
@@ -416,6 +418,80 @@ def _monte_carlo(
     }
     _check_finite_result(diagonals, f.dtype, "Monte-Carlo")
     return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
+
+
+# (model, input shapes and dtypes) already checked by _check_samples_independent.
+_INDEPENDENT: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+
+
+def _check_samples_independent(model: nn.Module, owners: list[_Owner], args: tuple) -> None:
+    """Verify once per model and input shape that dim 0 of every owner's input is the batch.
+
+    Per-sample gradients split each owning module's input along dim 0. A module whose input
+    has the batch's size in dim 0 without it being the batch (a sequence-first ``[L, N, E]``
+    tensor with ``L = N``) would be split wrongly, and the sums the per-draw check compares
+    still agree: a silently biased estimate. Here one forward and one backward pass (no
+    forward-mode AD needed) measure whether any row ``j ≠ 0`` of an owner's input depends on
+    sample 0 of the model's inputs; if so the module is named.
+
+    Raises:
+        NotImplementedError: Naming the module whose dim 0 mixes samples.
+    """
+    tensors = [a for a in args if isinstance(a, Tensor) and a.is_floating_point()]
+    batch = tensors[0].shape[0] if tensors else 0
+    if batch < 2 or not owners:
+        return
+    key = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, Tensor))
+    done = _INDEPENDENT.setdefault(model, set())
+    if key in done:
+        return
+    leaves = [
+        a.detach().requires_grad_(True) if isinstance(a, Tensor) and a.is_floating_point()
+        else a
+        for a in args
+    ]  # fmt: skip
+    seen: list[tuple[_Owner, Tensor]] = []
+
+    def record(owner: _Owner):
+        def hook(module: nn.Module, hook_args: tuple) -> None:
+            if hook_args and isinstance(hook_args[0], Tensor) and hook_args[0].requires_grad:
+                seen.append((owner, hook_args[0]))
+
+        return hook
+
+    handles = [o.module.register_forward_pre_hook(record(o)) for o in owners]
+    try:
+        with torch.enable_grad(), _RandomOpGuard(model):
+            model(*leaves)
+    finally:
+        for handle in handles:
+            handle.remove()
+    inputs = [a for a in leaves if isinstance(a, Tensor) and a.requires_grad]
+    generator = torch.Generator(device=inputs[0].device).manual_seed(0)
+
+    def leak(pairs: list[tuple[_Owner, Tensor]]) -> bool:
+        terms = [
+            (x[1:] * torch.randn(x[1:].shape, generator=generator, dtype=x.dtype, device=x.device))
+            .sum()
+            for _, x in pairs
+            if x.shape[0] == batch
+        ]  # fmt: skip
+        if not terms:
+            return False
+        grads = torch.autograd.grad(sum(terms), inputs, allow_unused=True, retain_graph=True)
+        return any(g is not None and bool((g[0] != 0).any()) for g in grads)
+
+    if leak(seen):
+        bad = next(o for o, x in seen if leak([(o, x)]))
+        raise NotImplementedError(
+            f"{bad.describe()} gets inputs whose dim 0 has the batch's size ({batch}) but "
+            "mixes the samples: other rows of it depend on sample 0 (a sequence-first "
+            "[L, N, E] tensor with L = N?). The Monte-Carlo estimator splits a module's input "
+            "along dim 0 into samples: give the module batch-first inputs (e.g. "
+            "nn.MultiheadAttention(..., batch_first=True)), or use estimator='db' where it "
+            "has rules"
+        )
+    done.add(key)
 
 
 def _path(model: nn.Module, module: nn.Module) -> str:
