@@ -43,11 +43,15 @@ sums to one for any input. The concentration itself is ``exp(log α)``, where, i
 mass to working precision, with variances below ``K²/α_max``), and entries are then floored at
 the dtype's ``tiny`` so that ``α > 0``.
 
-Precision. Everything up to ``log α`` is computed in float64, whatever the input dtype (the
-zero-sum projection cancels, and float16's range caps ``α`` near ``256/K``); the result is
-returned in the input's dtype, except that float16 and bfloat16 inputs give a float32 result
-(half precision cannot hold ``α`` to useful accuracy). Logits so extreme that ``log α`` itself
-overflows the result dtype (``|μ| ≳ 1.7e38`` in float32) raise a ``ValueError``; pass float64.
+Precision. Everything up to ``log α`` is computed in float64 where float32 would lose
+accuracy: for a full covariance (the zero-sum projection cancels), for float64 inputs, and for
+logits larger than 32 in magnitude (``log α`` holds ``μ_k + logsumexp(−μ)``, whose absolute
+error grows with ``|μ|``); otherwise, for diagonal variances in float32 or half precision, in
+float32 (``log α`` to a few 1e-6, tested against float64; half precision's range would cap
+``α`` near ``256/K``). The result is returned in the input's dtype, except that float16 and
+bfloat16 inputs give a float32 result (half precision cannot hold ``α`` to useful accuracy).
+Logits so extreme that ``log α`` itself overflows the result dtype (``|μ| ≳ 1.7e38`` in
+float32) raise a ``ValueError``; pass float64.
 The degenerate-projection threshold below uses the input dtype's machine epsilon; a full
 covariance in a dtype too coarse for it (bfloat16, float16 with many classes) is refused.
 
@@ -397,12 +401,13 @@ class LaplaceBridge:
         return mu.to(out), var.to(out)
 
     def _gaussian(self, f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor, torch.dtype]:
-        """``(μ, Σ_kk)`` in float64, and the dtype of the result (see the module docstring)."""
+        """``(μ, Σ_kk)`` in the working dtype, and the dtype of the result (module docstring)."""
         mu, var, full = _check(f_mu, f_var)
         out = _result_dtype(mu.dtype)
         # The threshold for a degenerate 1ᵀΣ1 is the round-off of the *input* dtype.
         eps = torch.finfo(mu.dtype).eps
-        mu, var = mu.double(), var.double()
+        work = _work_dtype(mu, full)
+        mu, var = mu.to(work), var.to(work)
         if self.project:
             mu, var = _project(mu, var, full, eps)
         elif full:
@@ -473,30 +478,51 @@ def _check(f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor, bool]:
 
 
 def _check_covariance(cov: Tensor) -> None:
-    """Refuse ``[N, K, K]`` matrices that are not symmetric positive semi-definite.
+    """Refuse ``[N, K, K]`` matrices that cannot be covariances.
 
-    Tolerance: ``64 K eps`` of the dtype relative to the largest diagonal entry of each matrix
-    (rounding of a covariance computed in that dtype stays far below it).
+    Checked (``O(N K²)``, no factorisation): symmetry and every 2×2 principal minor,
+    ``Σ_ij² ≤ Σ_ii Σ_jj``, to ``64 K eps`` of the dtype relative to the largest diagonal entry of
+    each matrix; :func:`_project` then refuses a negative ``1ᵀΣ1`` or projected variance, the
+    quantities Eq. 19 uses. (A full positive semi-definiteness test would cost more than the
+    bridge itself.)
     """
     K = cov.shape[-1]
-    c = cov.double()
-    scale = c.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(torch.finfo(torch.float64).tiny)
+    c = cov if cov.dtype in (torch.float32, torch.float64) else cov.float()
+    diag = c.diagonal(dim1=-2, dim2=-1)
+    scale = diag.amax(-1).clamp_min(torch.finfo(c.dtype).tiny)
     tol = 64 * K * torch.finfo(cov.dtype).eps * scale
-    asym = (c - c.transpose(-1, -2)).abs().amax((-1, -2))
+    asym = (c - c.mT).abs().flatten(1).amax(1)
     if bool((asym > tol).any()):
         i = int((asym / scale).argmax())
         raise ValueError(
             f"f_var[{i}] is not symmetric (largest |Σ - Σᵀ| = {float(asym[i]):.3g}, diagonal up "
             f"to {float(scale[i]):.3g}): give a covariance matrix, e.g. (S + Sᵀ)/2"
         )
-    smallest = torch.linalg.eigvalsh(c).amin(-1)
-    if bool((smallest < -tol).any()):
-        i = int((smallest / scale).argmin())
+    excess = (c.square() - diag.unsqueeze(-1) * diag.unsqueeze(-2)).flatten(1).amax(1)
+    if bool((excess > tol * scale).any()):
+        i = int((excess / scale.square()).argmax())
         raise ValueError(
-            f"f_var[{i}] is not positive semi-definite (smallest eigenvalue "
-            f"{float(smallest[i]):.3g}, diagonal up to {float(scale[i]):.3g}): a covariance "
-            "must be; check how it was computed"
+            f"f_var[{i}] is not positive semi-definite: an off-diagonal entry exceeds the "
+            "geometric mean of its diagonal entries (|Σ_ij| > √(Σ_ii Σ_jj)); a covariance "
+            "cannot have that, check how it was computed"
         )
+
+
+# Largest |logit| computed in float32: log α then has an absolute error of a few 1e-6.
+_FLOAT32_LOGIT_LIMIT = 32.0
+
+
+def _work_dtype(mu: Tensor, full: bool) -> torch.dtype:
+    """float32 for diagonal inputs of at most float32 precision and moderate logits, else float64.
+
+    A full covariance's projection cancels (``Σ_kk − (Σ1)_k²/1ᵀΣ1``) and large logits lose
+    absolute precision in ``log α``: both are computed in float64.
+    """
+    if full or mu.dtype == torch.float64 or mu.numel() == 0:
+        return torch.float64
+    if float(mu.abs().max()) > _FLOAT32_LOGIT_LIMIT:
+        return torch.float64
+    return torch.float32
 
 
 def _result_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -525,6 +551,14 @@ def _project(mu: Tensor, var: Tensor, full: bool, eps: float) -> tuple[Tensor, T
                 "f_mu and f_var in float32 or float64"
             )
         degenerate = total <= 64 * K * eps * scale
+        if bool((total < -64 * K * eps * scale).any()) or bool(
+            (new_diag.masked_fill(degenerate, 0) < -64 * K * eps * scale).any()
+        ):
+            raise ValueError(
+                "f_var is not positive semi-definite: 1ᵀΣ1 or a variance after conditioning on "
+                "zero-sum logits is negative; a covariance cannot give that, check how it was "
+                "computed"
+            )
     else:
         # 1ᵀΣ1 = Σ v_k ≥ max v_k: it vanishes only with all variances.
         degenerate = total <= 0

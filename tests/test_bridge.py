@@ -179,17 +179,23 @@ ERRORS = {
     "inf-variance": (torch.zeros(1, 2), torch.tensor([[1.0, math.inf]]), ValueError, "finite"),
     "shape": (torch.zeros(2, 3), torch.ones(2, 4), ValueError, "shaped like f_mu"),
     "one-class": (torch.zeros(2, 1), torch.ones(2, 1), ValueError, "K >= 2"),
+    "indefinite-covariance-projection": (  # 2×2 minors fine, 1ᵀΣ1 < 0
+        torch.zeros(1, 3),
+        torch.tensor([[[1.0, -0.9, -0.9], [-0.9, 1.0, -0.9], [-0.9, -0.9, 1.0]]]),
+        ValueError,
+        r"1ᵀΣ1 or a variance after conditioning on zero-sum logits is negative",
+    ),
     "asymmetric-covariance": (
         torch.zeros(2, 3),
         torch.stack([torch.eye(3), torch.eye(3) + torch.triu(torch.ones(3, 3), 1) * 0.5]),
         ValueError,
         r"f_var\[1\] is not symmetric",
     ),
-    "indefinite-covariance": (  # the case that gave α of 1.3e7 before
+    "indefinite-covariance-minor": (  # the case that gave α of 1.3e7 before
         torch.zeros(1, 3),
         torch.tensor([[[1.0, 2.0, 0.0], [2.0, 1.0, 0.0], [0.0, 0.0, 1.0]]]),
         ValueError,
-        r"f_var\[0\] is not positive semi-definite \(smallest eigenvalue -1",
+        r"f_var\[0\] is not positive semi-definite: an off-diagonal entry",
     ),
     "dtype": (
         torch.zeros(2, 3, dtype=torch.float64),
@@ -401,3 +407,21 @@ def test_glue_refuses_regression_and_unknown_variance():
     reg.fit(DataLoader(TensorDataset(torch.randn(4, 2), torch.randn(4, 2)), batch_size=2))
     with pytest.raises(ValueError, match="classification likelihood"):
         bridge_predictive(reg, torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("scale", [3.0, 30.0, 300.0], ids=["moderate", "near-limit", "extreme"])
+def test_float32_inputs_match_float64_to_float32_accuracy(scale):
+    g = torch.Generator().manual_seed(0)
+    mu = (torch.rand(200, 10, generator=g, dtype=torch.float64) * 2 - 1) * scale
+    var = torch.rand(200, 10, generator=g, dtype=torch.float64) * 5 + 1e-3
+    mu, var = mu.float().double(), var.float().double()  # the same inputs in both dtypes
+    exact = laplace_bridge(mu, var)
+    single = laplace_bridge(mu.float(), var.float())
+    assert single.log_concentration.dtype == torch.float32
+    # log α to a few 1e-6 absolute (α to a few 1e-6 relative), also past the float32 limit of
+    # 32, where the computation switches to float64
+    err = (single.log_concentration.double() - exact.log_concentration).abs().max()
+    assert err < 2e-5 * max(1.0, scale / 32), float(err)
+    # probs = softmax(log α) of a float32 log α: its rounding grows with |log α| ~ |μ|
+    tol = 1e-5 * max(1.0, scale / 32)
+    torch.testing.assert_close(single.probs.double(), exact.probs, rtol=tol, atol=tol / 100)
