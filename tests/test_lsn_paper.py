@@ -1,24 +1,16 @@
 """``integration/lsn_paper.py --quick``: every part runs end to end and reports all seven models."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "integration" / "lsn_paper.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def lsn_paper():
-    spec = importlib.util.spec_from_file_location("lsn_paper", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["lsn_paper"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("lsn_paper", None)
+    yield from load_script("lsn_paper")
 
 
 @pytest.fixture(scope="module")

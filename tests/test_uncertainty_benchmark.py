@@ -2,27 +2,19 @@
 the bootstrap's histogram metrics agree with the exact ones."""
 
 import csv
-import importlib.util
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from lsn_ext import metrics
-
-SCRIPT = Path(__file__).resolve().parents[1] / "integration" / "uncertainty_benchmark.py"
+from tests.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("uncertainty_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["uncertainty_benchmark"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("uncertainty_benchmark", None)
+    yield from load_script("uncertainty_benchmark")
 
 
 @pytest.fixture(scope="module")
