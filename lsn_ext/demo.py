@@ -27,11 +27,11 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from laplace import Laplace
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
+from lsn_ext._laplace import Laplace
 from lsn_ext.data import histology_patches, nuclei_patches, random_flips
 from lsn_ext.estimators import Estimator
 from lsn_ext.laplace_ext import (

@@ -39,13 +39,11 @@ from typing import Any, Literal
 
 import torch
 import tqdm
-from laplace.baselaplace import BaseLaplace
-from laplace.curvature import CurvatureInterface, GGNInterface
-from laplace.utils.utils import fix_prior_prec_structure
 from torch import Tensor, nn
 
 from lsn_ext import distributed as _dist
 from lsn_ext._functional import functional_call_all
+from lsn_ext._laplace import BaseLaplace, CurvatureInterface, GGNInterface, fix_prior_prec_structure
 from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
 from lsn_ext.glm import linearized_tangents, sample_chunks
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss

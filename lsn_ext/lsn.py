@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from laplace import Laplace
-from laplace.baselaplace import BaseLaplace
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lsn_ext import distributed as _dist
 from lsn_ext._functional import functional_call_all
+from lsn_ext._laplace import BaseLaplace, Laplace
 from lsn_ext.estimators import Estimator
 from lsn_ext.glm import sample_chunks
 from lsn_ext.laplace_ext import (

@@ -219,3 +219,14 @@ def test_lazy_table_all_and_type_checking_imports_agree():
     typed = {a.asname or a.name for n in block.body for a in n.names}
     assert set(lsn_ext._LAZY) == typed
     assert set(lsn_ext.__all__) == typed | {"__version__"}
+
+
+def test_the_public_api_imports_with_warnings_as_errors():
+    code = (
+        "import lsn_ext; lsn_ext.DiagBackprop; lsn_ext.predict; lsn_ext.laplace_bridge; "
+        "import lsn_ext.lsn, lsn_ext.vi"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
