@@ -118,6 +118,7 @@ def test_sdist_carries_licences_docs_and_data(dists):
 def test_wheel_carries_data_and_licences(dists):
     wheel = dists["wheel"]
     assert not {f"lsn_ext/data/nuclei/{f}" for f in DATA} - wheel
+    assert "lsn_ext/py.typed" in wheel  # PEP 561
     licences = {n.split(".dist-info/", 1)[1] for n in wheel if ".dist-info/licenses/" in n}
     assert licences == {"licenses/LICENSE", "licenses/lsn_ext/data/nuclei/LICENSE"}
     assert not any(n.startswith("tests/") for n in wheel)
@@ -156,6 +157,12 @@ def test_cli_help_is_light():
         with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):
             main(["--help"])
         assert "demo" in text.getvalue(), text.getvalue()
+        with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):
+            main(["--version"])
+        assert text.getvalue().strip() == "lsn-ext " + __import__("lsn_ext").__version__
+        with contextlib.redirect_stdout(io.StringIO()) as text, contextlib.suppress(SystemExit):
+            main(["demo", "--help"])
+        assert "(default: marglik)" in text.getvalue(), text.getvalue()
         print(sorted({{m.split(".")[0] for m in sys.modules}} & set({HEAVY!r})))
         """
     )
