@@ -778,16 +778,23 @@ def _bind(args: tuple, kwargs: dict, spec: Sequence[tuple[str, Any]]) -> dict[st
 
 _MISSING = object()
 
-# Functional activations: name → (argument spec, module with the same computation).
+# Functional activations: name → (argument spec, module with the same computation). An
+# in-place call (``F.silu(x, inplace=True)``, as in MONAI's EfficientNet blocks) runs as the
+# in-place module, which the rule node handles like ``nn.SiLU(inplace=True)``.
 _ACTIVATIONS: dict[str, tuple[tuple[tuple[str, Any], ...], Callable[..., nn.Module]]] = {
     "tanh": ((), lambda: nn.Tanh()),
     "sigmoid": ((), lambda: nn.Sigmoid()),
     "leaky_relu": (
         (("negative_slope", 0.01), ("inplace", False)),
-        lambda negative_slope, inplace: nn.LeakyReLU(negative_slope),
+        lambda negative_slope, inplace: nn.LeakyReLU(negative_slope, inplace),
     ),
-    "elu": ((("alpha", 1.0), ("inplace", False)), lambda alpha, inplace: nn.ELU(alpha)),
-    "silu": ((("inplace", False),), lambda inplace: nn.SiLU()),
+    "elu": ((("alpha", 1.0), ("inplace", False)), lambda alpha, inplace: nn.ELU(alpha, inplace)),
+    "celu": ((("alpha", 1.0), ("inplace", False)), lambda alpha, inplace: nn.CELU(alpha, inplace)),
+    "selu": ((("inplace", False),), lambda inplace: nn.SELU(inplace)),
+    "silu": ((("inplace", False),), lambda inplace: nn.SiLU(inplace)),
+    "mish": ((("inplace", False),), lambda inplace: nn.Mish(inplace)),
+    "hardswish": ((("inplace", False),), lambda inplace: nn.Hardswish(inplace)),
+    "hardsigmoid": ((("inplace", False),), lambda inplace: nn.Hardsigmoid(inplace)),
     "gelu": ((("approximate", "none"),), lambda approximate: nn.GELU(approximate)),
     "softplus": (
         (("beta", 1.0), ("threshold", 20.0)),
@@ -799,8 +806,6 @@ _ACTIVATIONS: dict[str, tuple[tuple[tuple[str, Any], ...], Callable[..., nn.Modu
 def _activation(session: _Session, func, args, kwargs) -> Tensor:
     spec, factory = _ACTIVATIONS[func.__name__]
     bound = _bind(args, kwargs, spec)
-    if bound.get("inplace"):
-        raise session.unsupported(func.__name__, "Use inplace=False.")
     module = factory(**{k: v for k, v in bound.items() if k != "input"})
     return session.apply_rule(module, RULES[type(module)], bound["input"], module)
 
@@ -984,7 +989,8 @@ _STRUCTURAL = frozenset(
         "clamp", "clamp_", "clip", "max", "min", "amax", "amin", "maximum", "minimum", "sort",
         "topk", "max_pool1d", "max_pool2d", "max_pool3d", "max_pool1d_with_indices",
         "max_pool2d_with_indices", "max_pool3d_with_indices", "adaptive_max_pool1d",
-        "adaptive_max_pool2d", "adaptive_max_pool3d", "interpolate",
+        "adaptive_max_pool2d", "adaptive_max_pool3d", "interpolate", "max_unpool1d",
+        "max_unpool2d", "max_unpool3d", "as_tensor",
     }
 )  # fmt: skip
 

@@ -678,3 +678,65 @@ def test_exact_ce_first_step_refuses_a_sum_with_a_non_head_branch():
     x, y = torch.randn(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4))
     with pytest.raises(ValueError, match=r"or a sum of such outputs.*a functional tanh"):
         diag_backprop(Residual(), x, y, "ce")
+
+
+class _FunctionalActs(nn.Module):
+    """Convolutions joined by functional activations, in place or not."""
+
+    def __init__(self, act: str, inplace: bool):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 3, 3, padding=1)
+        self.c2 = nn.Conv2d(3, 2, 1)
+        self.act, self.inplace = act, inplace
+
+    def forward(self, x):
+        h = self.c1(x)
+        out = getattr(nn.functional, self.act)(h, inplace=self.inplace)
+        return self.c2(h if self.inplace else out)
+
+
+@pytest.mark.parametrize(
+    "act", ["silu", "mish", "hardswish", "hardsigmoid", "selu", "celu", "elu", "leaky_relu"]
+)
+def test_in_place_functional_activations_give_the_out_of_place_diagonal(act):
+    x, y = torch.randn(2, 1, 5, 5), torch.randint(0, 2, (2, 5, 5))
+    net = _FunctionalActs(act, inplace=False)
+    ref = diag_backprop(net, x, y, "ce")
+    net.inplace = True
+    got = diag_backprop(net, x, y, "ce")
+    for name, d in ref.diagonals.items():
+        torch.testing.assert_close(got.diagonals[name], d, rtol=1e-12, atol=0)
+    assert any(float(d.sum()) > 0 for d in ref.diagonals.values())
+
+
+class _Unpooled(nn.Module):
+    """``max_unpool2d(max_pool2d(h))`` (Quicknat) or the same as a constant 0/1 mask."""
+
+    def __init__(self, unpool: bool):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 3, 3, padding=1)
+        self.c2 = nn.Conv2d(3, 2, 1)
+        self.unpool = unpool
+
+    def forward(self, x):
+        h = torch.as_tensor(torch.tanh(self.c1(x)))  # as in MONAI's HighResNet
+        if self.unpool:
+            pooled, idx = nn.functional.max_pool2d(h, 2, return_indices=True)
+            h = nn.functional.max_unpool2d(pooled, idx, 2, output_size=h.shape[-2:])
+        else:
+            with torch.no_grad():
+                _, idx = nn.functional.max_pool2d(h, 2, return_indices=True)
+                mask = torch.zeros_like(h).flatten(2).scatter_(2, idx.flatten(2), 1.0)
+            h = h * mask.view_as(h)
+        return self.c2(h)
+
+
+def test_max_unpool_and_as_tensor_are_structural():
+    x, y = torch.randn(2, 1, 6, 6), torch.randint(0, 2, (2, 6, 6))
+    net = _Unpooled(unpool=True)
+    ref = _Unpooled(unpool=False)
+    ref.load_state_dict(net.state_dict())
+    got, want = diag_backprop(net, x, y, "ce"), diag_backprop(ref, x, y, "ce")
+    for name, d in want.diagonals.items():
+        torch.testing.assert_close(got.diagonals[name], d, rtol=1e-12, atol=1e-15)
+    assert float(got.diagonals["c1.weight"].sum()) > 0

@@ -14,12 +14,17 @@ from torch import Tensor, nn
 from lsn_ext.rules.base import Rule, _total
 
 __all__ = [
+    "CELURule",
     "ELURule",
     "ElementwiseRule",
     "GELURule",
+    "HardsigmoidRule",
+    "HardswishRule",
     "LeakyReLURule",
+    "MishRule",
     "PReLURule",
     "ReLURule",
+    "SELURule",
     "SiLURule",
     "SigmoidRule",
     "SoftplusRule",
@@ -182,6 +187,55 @@ class SoftplusRule(ElementwiseRule):
     def derivative(self, module: nn.Softplus, x: Tensor, y: Tensor) -> Tensor:
         bx = module.beta * x
         return torch.where(bx > module.threshold, torch.ones_like(x), torch.sigmoid(bx))
+
+
+class MishRule(ElementwiseRule):
+    """``φ(x) = x tanh(softplus(x))``: ``φ'(x) = t + x σ(x)(1 − t²)``, ``t = tanh(softplus(x))``."""
+
+    def derivative(self, module: nn.Mish, x: Tensor, y: Tensor) -> Tensor:
+        t = torch.tanh(nn.functional.softplus(x))
+        return t + x * torch.sigmoid(x) * (1 - t * t)
+
+
+class HardswishRule(ElementwiseRule):
+    """``φ(x) = x · relu6(x + 3)/6``: ``φ'(x)`` is 0 below −3, ``(2x + 3)/6`` up to 3, then 1."""
+
+    def derivative(self, module: nn.Hardswish, x: Tensor, y: Tensor) -> Tensor:
+        inner = (2 * x + 3) / 6
+        zero, one = torch.zeros_like(x), torch.ones_like(x)
+        return torch.where(x < -3, zero, torch.where(x > 3, one, inner))
+
+
+class HardsigmoidRule(ElementwiseRule):
+    """``φ(x) = relu6(x + 3)/6``: ``φ'(x) = 1/6`` on ``(−3, 3)``, else 0.
+
+    Taken from torch's own ``hardsigmoid_backward`` (its ``1/6`` is rounded to float32 even for
+    float64 inputs), so that DB squares exactly the derivative autograd uses.
+    """
+
+    def derivative(self, module: nn.Hardsigmoid, x: Tensor, y: Tensor) -> Tensor:
+        return torch.ops.aten.hardsigmoid_backward(torch.ones_like(x), x)
+
+
+class SELURule(ElementwiseRule):
+    """``φ(x) = λ x`` for ``x > 0``, else ``λ α (e^x − 1)``: ``φ'(x) = λ`` or ``λ α e^x``."""
+
+    scale, alpha = 1.0507009873554805, 1.6732632423543772
+
+    def derivative(self, module: nn.SELU, x: Tensor, y: Tensor) -> Tensor:
+        neg = self.alpha * torch.exp(x.clamp(max=0))
+        return self.scale * torch.where(x > 0, torch.ones_like(x), neg)
+
+
+class CELURule(ElementwiseRule):
+    """``φ(x) = x`` for ``x > 0``, else ``α (e^{x/α} − 1)``: ``φ'(x) = 1`` or ``e^{x/α}``.
+
+    (torch's own CELU rounds ``1/α`` to float32 in float64 too: autograd's derivative then
+    differs from this one by a relative 1e-7 unless ``1/α`` is exact in float32.)
+    """
+
+    def derivative(self, module: nn.CELU, x: Tensor, y: Tensor) -> Tensor:
+        return torch.where(x > 0, torch.ones_like(x), torch.exp(x.clamp(max=0) / module.alpha))
 
 
 def scale_rule(m_out: Tensor, c: Tensor | float, input_shape: torch.Size) -> Tensor:

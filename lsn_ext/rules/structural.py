@@ -24,9 +24,10 @@ __all__ = ["DropoutRule", "StructuralRule"]
 class StructuralRule(Rule):
     """Exact rule for parameter-free 0/1-Jacobian layers: ``m_in = J^T m_out`` (a VJP).
 
-    Covers ``Identity``, ``Flatten``, ``Unflatten`` and ``MaxPool1d/2d/3d`` (also with
-    ``return_indices=True``; the indices carry no curvature). Forward: ``v_out = J v_in``, the
-    JVP of the module at ``x`` (exact); shapes of ``x`` and ``y``.
+    Covers ``Identity``, ``Flatten``, ``Unflatten``, ``MaxPool1d/2d/3d`` (also with
+    ``return_indices=True``; the indices carry no curvature), ``ReLU6`` and ``Hardtanh``.
+    Forward: ``v_out = J v_in``, the JVP of the module at ``x`` (exact); shapes of ``x`` and
+    ``y``.
     """
 
     autograd_exact = True

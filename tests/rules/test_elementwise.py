@@ -17,6 +17,13 @@ MODULES = {
     "gelu": nn.GELU,
     "gelu-tanh": lambda: nn.GELU("tanh"),
     "softplus-beta2-threshold1": lambda: nn.Softplus(beta=2.0, threshold=1.0),
+    "mish": nn.Mish,
+    "hardswish": nn.Hardswish,
+    "hardsigmoid": nn.Hardsigmoid,
+    "selu": nn.SELU,
+    "celu-0.5": lambda: nn.CELU(0.5),  # 1/α exact in float32, as torch's CELU needs
+    "relu6": nn.ReLU6,
+    "hardtanh": nn.Hardtanh,
     "identity": nn.Identity,
     "flatten": nn.Flatten,
     "unflatten": lambda: nn.Unflatten(2, (2, 2)),
