@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
@@ -495,6 +496,8 @@ class _Session(TorchFunctionMode):
                 if id(module) in seen:
                     continue
                 seen.add(id(module))
+                if parametrize.is_parametrized(module):
+                    raise NotImplementedError(_parametrized_message(self.describe(module), module))
                 rule = RULES.get(type(module))
                 if rule is None:
                     if not module._modules and any(
@@ -744,6 +747,20 @@ def _identity_functions() -> tuple[type, ...]:
 
     hook = getattr(_functions, "BackwardHookFunction", None)
     return (hook,) if hook is not None else ()
+
+
+def _parametrized_message(where: str, module: nn.Module) -> str:
+    """Why DB refuses a module with ``torch.nn.utils.parametrize`` parametrizations."""
+    names = ", ".join(sorted(module.parametrizations.keys()))
+    return (
+        f"{where} has parametrized tensors ({names}: weight_norm, spectral_norm or another "
+        "torch.nn.utils.parametrize parametrization). DB's rules act on a module's own "
+        "parameters and cannot reach the parametrization's (original0, original1, …): even "
+        "with a rule registered for the class they would get zero curvature. Remove the "
+        "parametrization for the curvature (torch.nn.utils.parametrize."
+        f"remove_parametrizations(module, {names.split(', ')[0]!r}) keeps the function), or "
+        "use the Monte-Carlo estimator (estimator='mc')"
+    )
 
 
 def _is_foreign_function(node: Any) -> bool:

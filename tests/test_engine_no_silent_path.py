@@ -219,3 +219,31 @@ def test_the_independence_check_passes_batch_first_models_once_per_shape(monkeyp
     lsn_ext.ggn_diagonal(net, x, y, "ce", estimator="mc")
     assert len(calls) - first == first - 1  # the second call skips the one-off check
     assert net in estimators._INDEPENDENT
+
+
+def _weight_normed(register: bool) -> nn.Module:
+    net = nn.Sequential(
+        nn.utils.parametrizations.weight_norm(nn.Conv2d(1, 3, 3, padding=1)),
+        nn.Tanh(),
+        nn.Conv2d(3, 2, 1),
+    )
+    if register:  # what the old error message suggested: silently zero curvature
+        from lsn_ext.rules import RULES, ConvRule
+
+        RULES.setdefault(type(net[0]), ConvRule())
+    return net
+
+
+@pytest.mark.parametrize("register", [False, True], ids=["no-rule", "conv-rule-registered"])
+def test_db_refuses_parametrized_modules(register):
+    from lsn_ext.rules import RULES
+
+    net = _weight_normed(register).eval()
+    x, y = _batch()
+    try:
+        with pytest.raises(NotImplementedError, match=r"'0' \(ParametrizedConv2d\) has parametr"):
+            lsn_ext.diag_backprop(net, x, y, "ce")
+    finally:
+        RULES.pop(type(net[0]), None)
+    with pytest.raises(NotImplementedError, match=r"remove_parametrizations"):
+        lsn_ext.rules.get_rule(net[0])

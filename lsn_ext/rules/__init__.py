@@ -18,6 +18,7 @@ import importlib
 import sys
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lsn_ext.rules.base import Rule
 from lsn_ext.rules.conv import ConvRule
@@ -203,7 +204,14 @@ def get_rule(module: nn.Module, path: str = "") -> Rule:
         cls = type(module)
         where = f" at '{path}'" if path else ""
         parent = next((c for c in cls.__mro__[1:] if c in RULES), None)
-        if parent is not None and cls.forward is parent.forward:
+        if parametrize.is_parametrized(module):
+            hint = (
+                " Its tensors are parametrized (torch.nn.utils.parametrize, e.g. weight_norm): "
+                "a rule for the class would give the parametrization's parameters zero "
+                "curvature, so do not register one; remove the parametrization for the "
+                "curvature (torch.nn.utils.parametrize.remove_parametrizations)."
+            )
+        elif parent is not None and cls.forward is parent.forward:
             hint = (
                 f" It subclasses {_name(parent)} without changing forward: register it with "
                 f"lsn_ext.register_rule({cls.__qualname__}, "
