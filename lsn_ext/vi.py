@@ -631,7 +631,8 @@ class VariationalPosterior:
             x: Inputs ``[B, *]``.
             y: Targets.
             vectorize: ``True`` forces ``vmap`` (errors propagate), ``False`` the loop, ``None``
-                (default) tries ``vmap`` and, should it fail, uses the loop from then on.
+                (default) tries ``vmap`` and, should it fail where the loop works, uses the
+                loop from then on (a batch that fails both ways changes nothing).
         """
         use_vmap = self._vectorize if vectorize is None else vectorize
         if use_vmap:
@@ -640,7 +641,11 @@ class VariationalPosterior:
             except (RuntimeError, NotImplementedError, ValueError):
                 if vectorize:
                     raise
-                self._vectorize = False  # remember: this model is not vmap-able
+            # The loop raises what is wrong with the batch itself (bad targets, say); only when
+            # it works is the model not vmap-able, and the loop used from then on.
+            result = torch.stack([self.log_likelihood(t, x, y) for t in thetas])
+            self._vectorize = False
+            return result
         return torch.stack([self.log_likelihood(t, x, y) for t in thetas])
 
     def log_prior(self, theta: Tensor) -> Tensor:

@@ -322,3 +322,13 @@ def test_posterior_rejects_bad_arguments(kwargs, error):
     kwargs = {"likelihood": "mse", **kwargs}
     with pytest.raises(error):
         VariationalPosterior(nn.Linear(2, 1), **kwargs)
+
+
+def test_a_bad_batch_does_not_switch_the_posterior_to_the_slow_path():
+    x, y = _linear_regression()
+    vi = VariationalPosterior(nn.Linear(3, 1), "mse", rank=1, init_std=0.1)
+    with pytest.raises(ValueError, match="do not match"):
+        vi.elbo(x, y[:, :0], n_samples=4)  # a target of the wrong shape fails either way
+    assert vi._vectorize  # still vmap for the next, good batch
+    vi.elbo(x, y, n_samples=4)
+    assert vi._vectorize
