@@ -416,29 +416,64 @@ class DiagBackprop(GGNInterface):
                 "Laplace(..., asdl_fisher_kwargs=...), which only the ASDL backends use; "
                 "leave asdl_fisher_kwargs out (DiagBackprop's options go in backend_kwargs)"
             )
-        x = _check_images(self._tensor_input(x), "the batch's inputs")
-        if not isinstance(y, Tensor):
-            raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
-        _check_finite("the batch's targets", y)
-        self._check_output(x)
-        result = ggn_diagonal(
-            self.model,
-            x,
-            y,
-            self.loss_fn,
-            estimator=self.estimator,
-            mc_samples=self.mc_samples,
-            shrinkage=self.shrinkage,
-            generator=self._batch_generator(x, y) if self.stochastic else None,
-            ce_first_step=self.ce_first_step,
-            params=self.params,
-        )
+        world = self._world()
+        try:
+            x = _check_images(self._tensor_input(x), "the batch's inputs")
+            if not isinstance(y, Tensor):
+                raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
+            _check_finite("the batch's targets", y)
+            self._check_output(x)
+            result = ggn_diagonal(
+                self.model,
+                x,
+                y,
+                self.loss_fn,
+                estimator=self.estimator,
+                mc_samples=self.mc_samples,
+                shrinkage=self.shrinkage,
+                generator=self._batch_generator(x, y) if self.stochastic else None,
+                ce_first_step=self.ce_first_step,
+                params=self.params,
+            )
+        except Exception as err:
+            if world is None:
+                raise
+            self._stop_together(err)
+            raise
         H, loss = result.vector, result.loss
         if self.subnetwork_indices is not None:
             H = H[self.subnetwork_indices]
-        if self._world() is not None:
+        if world is not None:
+            self._stop_together(None)
             loss, H = self._reduce(loss, H, x.shape[0], kwargs.get("N"))
         return loss, H
+
+    def _stop_together(self, error: Exception | None) -> None:
+        """One collective per batch: every rank learns which ranks could not fit their batch.
+
+        A rank that raised alone would leave the others blocked in the next all-reduce (gloo
+        then reports a reset connection, NCCL hangs until its timeout). Here a failing rank
+        adds its rank to its own error, and every other rank raises a ``RuntimeError`` naming
+        the failing ranks; the fit's sample counter is reset.
+        """
+        rank, size = _dist.world() or (0, 1)
+        device = _dist.collective_device(self.params[0])
+        flags = torch.zeros(size, dtype=torch.int64, device=device)
+        flags[rank] = int(error is not None)
+        failed = [r for r, f in enumerate(_dist.all_reduce_sum(flags).tolist()) if f]
+        if not failed:
+            return
+        self._seen = 0
+        if error is not None:
+            error.add_note(
+                f"(rank {rank} of {size}; every rank of the fit stopped with it: ranks {failed} "
+                "failed on this batch)"
+            )
+            return
+        raise RuntimeError(
+            f"rank {rank}: rank(s) {failed} could not fit their batch (their own error says "
+            "why); this rank stops as well, so that no collective is left waiting"
+        )
 
     def gradients(self, x: Tensor | MutableMapping[str, Any], y: Tensor) -> tuple[Tensor, Tensor]:
         """Per-sample gradients of the loss, ``([B, n_params], summed loss)``.

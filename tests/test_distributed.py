@@ -74,6 +74,15 @@ def _error(fn: Any) -> str | None:
     return None
 
 
+def _failure(fn: Any) -> str | None:
+    """``"Type: message notes"`` of whatever ``fn()`` raises, or ``None``."""
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e} {' '.join(getattr(e, '__notes__', []))}"
+    return None
+
+
 def _scenarios(rank: int) -> dict[str, Any]:
     """Everything rank ``rank`` computes; the ranks run the same collectives in the same order."""
     import torch.distributed as dist
@@ -122,6 +131,12 @@ def _scenarios(rank: int) -> dict[str, Any]:
     out["dropped_check"] = _error(
         lambda: check_loader(sharded(Subset(data, range(7)), drop_last=True))
     )
+
+    # A NaN image in rank 1's shard only (sample 1): every rank raises, none waits forever.
+    poisoned = _data()
+    if rank == 1:
+        poisoned.tensors[0][1, 0, 0, 0] = float("nan")
+    out["nan_on_one_rank"] = _failure(lambda: _fit(sharded(poisoned), estimator="db"))
 
     # The process group still works after those errors (all ranks raised together).
     out["after_errors"] = _summary(_fit(sharded(), estimator="db"))
@@ -269,6 +284,15 @@ def test_padded_and_dropping_samplers_are_refused(ranks: list[dict[str, Any]]) -
         assert "repeating 1 sample" in out["padded_check"]
         assert "drops the last 1 sample" in out["dropped_check"]
         assert "8 samples, more than len(train_loader.dataset)=7" in out["padded_fit"]
+
+
+def test_an_error_on_one_rank_stops_every_rank(ranks: list[dict[str, Any]]) -> None:
+    first, second = (out["nan_on_one_rank"] for out in ranks)
+    assert second.startswith("ValueError: the batch's inputs")
+    assert "NaN or infinite" in second
+    assert "rank 1 of 2; every rank of the fit stopped with it: ranks [1]" in second
+    assert first.startswith("RuntimeError: rank 0: rank(s) [1] could not fit their batch")
+    _assert_same(ranks[0]["after_errors"], _fit(_full_loader(), estimator="db"))
 
 
 def test_gridsearch_and_predict_agree_across_ranks(ranks: list[dict[str, Any]]) -> None:
