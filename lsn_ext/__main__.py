@@ -67,6 +67,16 @@ def main(argv: list[str] | None = None) -> int:
                 "need --epochs >= 1, --samples >= 2, --logit-samples >= 2, --ensemble >= 0, "
                 "--mc-samples >= 1, --rank >= 0"
             )
+        if args.threads < 0:
+            parser.error(f"--threads must be 0 (torch's default) or positive, got {args.threads}")
+        if args.estimator == "db" and args.mc_samples != 1:
+            parser.error(
+                f"--mc-samples {args.mc_samples} has no effect with --estimator db (it draws no "
+                "vectors); use --estimator mc or db_calibrated, or leave --mc-samples out"
+            )
+        unwritable = _unwritable(args.out)
+        if unwritable:
+            parser.error(f"cannot write to --out {args.out}: {unwritable}")
         return run_demo(
             DemoConfig(
                 out=args.out,
@@ -85,6 +95,19 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     return 2
+
+
+def _unwritable(out: Path) -> str | None:
+    """Why the demo could not write its results into ``out`` (checked before any training)."""
+    import tempfile
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
 
 
 if __name__ == "__main__":

@@ -164,10 +164,18 @@ class ShardedLoader:
         device: Device of the collective (default: CUDA for NCCL, else CPU).
 
     Raises:
+        TypeError: For anything but a loader with a ``dataset`` and a length.
         ValueError: For a ``DistributedSampler``, or ranks with different numbers of batches.
     """
 
     def __init__(self, loader: Any, device: torch.device | str | None = None) -> None:
+        if not hasattr(loader, "dataset") or not hasattr(loader, "__len__"):
+            raise TypeError(
+                f"ShardedLoader wraps a DataLoader over this rank's shard (it reads "
+                f"len(loader.dataset) and len(loader)); got {type(loader).__name__}. Wrap a "
+                "list of batches in a DataLoader first, e.g. DataLoader(TensorDataset(x, y), "
+                "batch_size=...)"
+            )
         if isinstance(getattr(loader, "sampler", None), DistributedSampler):
             raise ValueError(
                 "ShardedLoader is for per-rank datasets; this loader's DistributedSampler "

@@ -177,11 +177,18 @@ def _check_inputs(model: nn.Module, args: Sequence[Any]) -> None:
     for a NaN that is masked downstream, silently wrong).
 
     Raises:
+        RuntimeError: Under ``torch.inference_mode()`` (autograd cannot be switched on there).
         ValueError: Naming the parameter, or the input, the number of non-finite entries and
             the first one's index; an empty batch.
         TypeError: An integer input to a model without embeddings, or a floating input whose
             dtype differs from the parameters'.
     """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "the curvature was asked for under torch.inference_mode(), which switches autograd "
+            "off even inside torch.enable_grad(); call the fit (or this function) outside the "
+            "inference_mode block (torch.no_grad() is fine)"
+        )
     for name, p in model.named_parameters():
         if p.is_floating_point() and not bool(torch.isfinite(p).all()):
             bad = int((~torch.isfinite(p)).sum())

@@ -48,6 +48,26 @@ def test_demo_refuses_bad_estimator_options(capsys):
     assert "--mc-samples >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--threads", "-1"], "--threads must be 0 (torch's default) or positive, got -1"),
+        (
+            ["--estimator", "db", "--mc-samples", "2"],
+            "--mc-samples 2 has no effect with --estimator db",
+        ),
+        (["--out", "/proc/lsn-ext-demo"], "cannot write to --out /proc/lsn-ext-demo"),
+    ],
+    ids=["negative-threads", "db-with-mc-samples", "unwritable-out"],
+)
+def test_demo_refuses_before_training(args, message, capsys):
+    start = time.process_time()
+    with pytest.raises(SystemExit):
+        main(["demo", *args])
+    assert message in capsys.readouterr().err
+    assert time.process_time() - start < 5  # refused up front, not after the training
+
+
 def test_quick_demo_with_rank_0_and_the_grid_search_prior(tmp_path, capsys):
     args = ["demo", "--quick", "--out", str(tmp_path), "--no-progress", "--ensemble", "0"]
     assert main([*args, "--rank", "0", "--prior", "nll"]) == 0

@@ -310,5 +310,7 @@ def test_single_process_helpers() -> None:
     wrapped = ShardedLoader(loader)
     assert len(wrapped.dataset) == N_TRAIN
     assert len(wrapped) == len(loader)
+    with pytest.raises(TypeError, match=r"ShardedLoader wraps a DataLoader .* got list"):
+        ShardedLoader(list(loader))
     with pytest.raises(TypeError, match="distributed must be a bool"):
         _laplace(model, distributed="yes").backend  # noqa: B018

@@ -247,3 +247,11 @@ def test_db_refuses_parametrized_modules(register):
         RULES.pop(type(net[0]), None)
     with pytest.raises(NotImplementedError, match=r"remove_parametrizations"):
         lsn_ext.rules.get_rule(net[0])
+
+
+@pytest.mark.parametrize("estimator", ["db", "mc"])
+def test_inference_mode_gets_a_clear_error(estimator):
+    net = _DoublingNet().eval()
+    x, y = _batch()
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"torch.inference_mode\(\)"):
+        lsn_ext.ggn_diagonal(net, x, y, "ce", estimator=estimator)
