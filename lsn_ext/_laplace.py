@@ -15,6 +15,7 @@ with warnings.catch_warnings():
         "ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning
     )
     import laplace
+    from laplace import baselaplace
     from laplace.baselaplace import BaseLaplace
     from laplace.curvature import CurvatureInterface, GGNInterface
     from laplace.utils.utils import fix_prior_prec_structure
@@ -26,5 +27,6 @@ __all__ = [
     "CurvatureInterface",
     "GGNInterface",
     "Laplace",
+    "baselaplace",
     "fix_prior_prec_structure",
 ]

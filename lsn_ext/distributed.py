@@ -9,26 +9,25 @@ tuning then agrees across ranks too: ``la.optimize_prior_precision(method="margl
 only on those, and :func:`lsn_ext.gridsearch_prior_precision` sums its validation NLL over the
 ranks. ``backend_kwargs={"distributed": False}`` opts out (each rank keeps its shard's posterior).
 
-Rules for the training loader (checked where possible; a violation raises on every rank at once):
+Rules for the training loader (checked; a violation raises on every rank at once):
 
 * Every rank makes the same number of ``diag`` calls, i.e. has the same number of batches: the
-  all-reduce of a batch waits for every rank. A rank with an extra batch blocks until the
-  process group's timeout. A :class:`torch.utils.data.distributed.DistributedSampler` and the
-  same ``batch_size`` on every rank guarantee it; :class:`ShardedLoader` checks it up front.
+  all-reduce of a batch waits for every rank. A :class:`torch.utils.data.distributed.
+  DistributedSampler` and the same ``batch_size`` on every rank guarantee it. The backend
+  follows laplace-torch's ``fit`` (it finds its ``train_loader`` on the call stack) and compares
+  the ranks' batch counts on the first batch of every fit; :class:`ShardedLoader` checks them
+  when it is built.
 * Per fit, the ranks together see each sample exactly once: ``len(train_loader.dataset)``
-  (laplace-torch's ``n_data``) must equal the number of samples summed over the ranks. With a
-  ``DistributedSampler`` over the full data set this holds when ``len(dataset)`` is divisible by
-  the world size. Otherwise ``drop_last=False`` pads the shards by repeating samples (counted
-  twice: refused, by :func:`check_loader` up front and by the backend when the count runs past
-  ``n_data``) and ``drop_last=True`` drops up to ``world_size - 1`` samples (their curvature is
-  missing while ``n_data`` counts them: :func:`check_loader` refuses it).
+  (laplace-torch's ``n_data``) must equal the number of samples summed over the ranks, which
+  the backend checks on the last batch of every fit (and whenever the count runs past
+  ``n_data``). With a ``DistributedSampler`` over the full data set this holds when
+  ``len(dataset)`` is divisible by the world size; otherwise ``drop_last=False`` pads the shards
+  by repeating samples and ``drop_last=True`` drops up to ``world_size - 1`` samples: both are
+  refused on the first batch (:func:`check_loader`).
 * Per-rank datasets (e.g. a ``Subset`` per rank) make ``len(train_loader.dataset)`` the shard's
-  size: wrap the loader in :class:`ShardedLoader`, which reports the summed size. Unwrapped, they
-  are refused when the ranks' sizes differ, or when the summed batch sizes run past the shard's
-  size; but equal shards whose batches happen to sum to exactly the shard's size are
-  indistinguishable from consecutive fits (the backend does not see where a fit starts), and
-  would give a wrong ``n_data``: do not rely on the check, use a ``DistributedSampler`` or
-  :class:`ShardedLoader`.
+  size: wrap the loader in :class:`ShardedLoader`, which reports the summed size; unwrapped,
+  the count runs past ``n_data`` and the fit is refused.
+* A batch that one rank cannot fit (a NaN image, say) stops every rank, naming it.
 
 Prediction needs no communication: run :func:`lsn_ext.predict` on each rank's shard of the test
 set and gather the maps if one rank needs them all::

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -43,7 +44,15 @@ from torch import Tensor, nn
 
 from lsn_ext import distributed as _dist
 from lsn_ext._functional import functional_call_all
-from lsn_ext._laplace import BaseLaplace, CurvatureInterface, GGNInterface, fix_prior_prec_structure
+from lsn_ext._laplace import (
+    BaseLaplace,
+    CurvatureInterface,
+    GGNInterface,
+    fix_prior_prec_structure,
+)
+from lsn_ext._laplace import (
+    baselaplace as _laplace_module,
+)
 from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
 from lsn_ext.glm import linearized_tangents, sample_chunks
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
@@ -55,6 +64,13 @@ __all__ = [
     "gridsearch_prior_precision",
     "predict",
 ]
+
+# The fit methods of laplace-torch's Laplace classes (see DiagBackprop._track_fit).
+_FIT_CODES = frozenset(
+    cls.fit.__code__
+    for cls in vars(_laplace_module).values()
+    if isinstance(cls, type) and issubclass(cls, BaseLaplace) and "fit" in vars(cls)
+)
 
 _NORMS_WITH_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._InstanceNorm)
 
@@ -277,6 +293,7 @@ class DiagBackprop(GGNInterface):
             raise TypeError(f"distributed must be a bool, got {distributed!r}")
         self.distributed = distributed
         self._seen = 0  # samples summed over the ranks in the current fit
+        self._fit: list[int] | None = None  # [id of laplace-torch's fit frame, batches left]
         self._checked_output = False
         self.factor = 1.0
         self.lossfunc = self.loss_fn.value
@@ -331,6 +348,7 @@ class DiagBackprop(GGNInterface):
         """
         rank, size = _dist.world() or (0, 1)
         device = _dist.collective_device(H)
+        last_batch = self._track_fit(device) if N is not None else False
         if N is not None:
             ((lo, hi),) = _dist.all_reduce_range([N], device)
             if lo != hi:
@@ -359,9 +377,55 @@ class DiagBackprop(GGNInterface):
                     "stopped short of N samples (drop_last=True). Pass "
                     "backend_kwargs={'distributed': False} for per-rank posteriors"
                 )
-            if self._seen == N:
+            if last_batch and self._seen != N:
+                seen, self._seen = self._seen, 0
+                raise ValueError(
+                    f"rank {rank}: the {size} ranks have together fitted {seen} samples, but "
+                    f"len(train_loader.dataset)={N} (laplace-torch's n_data) counts {N}: the "
+                    "curvature of the others would be missing. A DistributedSampler with "
+                    f"drop_last=True drops samples when {N} is not divisible by {size} (see "
+                    "lsn_ext.distributed.check_loader); per-rank datasets need "
+                    "lsn_ext.distributed.ShardedLoader"
+                )
+            if last_batch or (self._fit is None and self._seen == N):
                 self._seen = 0
         return loss, H
+
+    def _track_fit(self, device: torch.device) -> bool:
+        """Follow laplace-torch's ``fit`` that called ``diag``; whether this is its last batch.
+
+        The backend cannot otherwise tell where a fit starts and ends. It finds the ``fit``
+        frame of laplace-torch's classes on the call stack (by code object) and reads its
+        ``train_loader``. On a fit's first batch it resets the sample counter and checks, with
+        one collective, that every rank has the same number of batches (a rank with more
+        would wait forever; one with fewer would return a posterior missing the others'
+        curvature). Outside ``fit`` (direct ``diag`` calls) nothing is tracked.
+        """
+        frame = sys._getframe(2)
+        while frame is not None and frame.f_code not in _FIT_CODES:
+            frame = frame.f_back
+        if frame is None:
+            self._fit = None
+            return False
+        loader = frame.f_locals.get("train_loader")
+        batches = len(loader) if hasattr(loader, "__len__") else None
+        if self._fit is None or self._fit[0] != id(frame) or self._fit[1] <= 0:
+            self._seen = 0
+            self._fit = [id(frame), batches if batches is not None else -1]
+            _dist.check_loader(loader)
+            if batches is not None:
+                ((lo, hi),) = _dist.all_reduce_range([batches], device)
+                if lo != hi:
+                    rank, size = _dist.world() or (0, 1)
+                    self._fit = None
+                    raise ValueError(
+                        f"rank {rank}: this rank's train_loader has {batches} batches, but the "
+                        f"{size} ranks have between {lo} and {hi}. Every batch is all-reduced, so "
+                        "every rank needs the same number: use the same batch size on every "
+                        "rank with a DistributedSampler, or equal shards in ShardedLoader"
+                    )
+        self._fit[1] -= 1
+        return self._fit[1] == 0
 
     def _check_output(self, x: Tensor) -> None:
         """Once per backend: refuse outputs laplace-torch would mishandle."""

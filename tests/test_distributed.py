@@ -132,6 +132,15 @@ def _scenarios(rank: int) -> dict[str, Any]:
         lambda: check_loader(sharded(Subset(data, range(7)), drop_last=True))
     )
 
+    # Silently wrong before: per-rank shards (no ShardedLoader) whose first batches sum to
+    # exactly n_data; batch counts that differ between the ranks; a fit after a short one.
+    out["subset_exact_sum"] = _error(lambda: _fit(DataLoader(shard, batch_size=2), estimator="db"))
+    uneven = DataLoader(data, batch_size=2 if rank == 0 else 1, sampler=sharded().sampler)
+    out["uneven_batches"] = _error(lambda: _fit(uneven, estimator="db"))
+    dropping = sharded(Subset(data, range(7)), drop_last=True)
+    out["dropped_fit"] = _error(lambda: _fit(dropping, estimator="db"))
+    out["after_uneven"] = _summary(_fit(sharded(), estimator="db"))
+
     # A NaN image in rank 1's shard only (sample 1): every rank raises, none waits forever.
     poisoned = _data()
     if rank == 1:
@@ -283,7 +292,15 @@ def test_padded_and_dropping_samplers_are_refused(ranks: list[dict[str, Any]]) -
         assert f"rank {rank}" in out["padded_check"]
         assert "repeating 1 sample" in out["padded_check"]
         assert "drops the last 1 sample" in out["dropped_check"]
-        assert "8 samples, more than len(train_loader.dataset)=7" in out["padded_fit"]
+        assert "pads the shards by repeating 1 sample" in out["padded_fit"]
+        assert "drops the last 1 sample" in out["dropped_fit"]
+        assert "8 samples, more than len(train_loader.dataset)=4" in out["subset_exact_sum"]
+        batches = 2 if rank == 0 else 4
+        assert (
+            f"rank {rank}: this rank's train_loader has {batches} batches, but the 2 ranks"
+            in (out["uneven_batches"])
+        )
+    _assert_same(ranks[0]["after_uneven"], _fit(_full_loader(), estimator="db"))
 
 
 def test_an_error_on_one_rank_stops_every_rank(ranks: list[dict[str, Any]]) -> None:
