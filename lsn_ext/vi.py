@@ -154,6 +154,12 @@ class StructuredGaussian(nn.Module):
             raise ValueError("loc (the initial mean, e.g. the model's weights) holds NaN or inf")
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
             raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+        if rank > loc.numel():
+            raise ValueError(
+                f"rank {rank} exceeds the number of parameters P = {loc.numel()}: the factor "
+                f"U [P, rank] would hold {loc.numel() * rank:,} numbers and add no freedom past "
+                "rank P; use a rank of at most P (in practice 1–100)"
+            )
         init_std = torch.as_tensor(init_std, dtype=loc.dtype, device=loc.device)
         if not torch.isfinite(init_std).all() or (init_std <= 0).any():
             raise ValueError(f"init_std must be finite and positive, got {init_std}")

@@ -332,3 +332,8 @@ def test_a_bad_batch_does_not_switch_the_posterior_to_the_slow_path():
     assert vi._vectorize  # still vmap for the next, good batch
     vi.elbo(x, y, n_samples=4)
     assert vi._vectorize
+
+
+def test_a_rank_above_the_parameter_count_is_refused_before_allocating():
+    with pytest.raises(ValueError, match=r"rank 1000000000 exceeds the number of parameters P = 4"):
+        VariationalPosterior(nn.Linear(3, 1), "mse", rank=10**9)
