@@ -1,0 +1,24 @@
+"""``integration/bench_predict.py --quick``: the table of time and memory per row comes back."""
+
+import re
+
+import pytest
+
+from tests.scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    yield from load_script("bench_predict")
+
+
+@pytest.mark.slow
+def test_quick_run_measures_every_row(bench):
+    table = bench.run(quick=True)
+    rows = [line for line in table.splitlines() if line.startswith("| small CNN")]
+    assert len(rows) == 4  # nn and glm, two sample counts
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] in ("nn", "glm")
+        assert float(cells[3]) > 0  # seconds
+        assert re.fullmatch(r"-?\d+", cells[5])  # MB added
