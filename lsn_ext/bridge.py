@@ -623,28 +623,6 @@ def dirichlet_to_gaussian(alpha: Tensor, full: bool = False) -> tuple[Tensor, Te
 # -- laplace-torch glue --------------------------------------------------------------------
 
 
-@torch.no_grad()
-def _logit_moments_mc(
-    la: Any, x: Tensor, n_samples: int, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
-    """Mean and variance of the logits over posterior samples (Welford), shaped like the logits."""
-    from lsn_ext._functional import functional_call_all
-    from lsn_ext.laplace_ext import _trainable
-
-    named = _trainable(la)
-    sizes = [p.numel() for _, p in named]
-    mean = m2 = None
-    for i, theta in enumerate(la.sample(n_samples, generator=generator)):
-        params = {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
-        f = functional_call_all(la.model, params, (x,))
-        if mean is None:
-            mean, m2 = torch.zeros_like(f), torch.zeros_like(f)
-        delta = f - mean
-        mean += delta / (i + 1)
-        m2 += delta * (f - mean)
-    return mean, m2 / (n_samples - 1)
-
-
 def bridge_predictive(
     la: Any,
     x: Tensor,
@@ -683,7 +661,7 @@ def bridge_predictive(
         The :class:`BridgeDirichlet` (``probs``/``alpha`` in the logits' layout, ``[N, K, *]``).
     """
     from lsn_ext.forward import linearized_variance
-    from lsn_ext.laplace_ext import _check_fitted, _link
+    from lsn_ext.laplace_ext import _check_fitted, _link, predict
 
     _check_fitted(la)
     link = _link(la)
@@ -702,7 +680,8 @@ def bridge_predictive(
     else:
         if n_samples < 2:
             raise ValueError(f"n_samples must be at least 2, got {n_samples}")
-        f_mu, f_var = _logit_moments_mc(la, x, n_samples, generator)
+        moments = predict(la, x, n_samples, generator=generator)
+        f_mu, f_var = moments.logit_mean, moments.logit_variance
     if link == "sigmoid":
         if f_mu.shape[1] != 1:
             raise ValueError(f"a sigmoid link needs one logit channel, got {f_mu.shape[1]}")

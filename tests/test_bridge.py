@@ -368,13 +368,12 @@ def test_segmentation_glue_uses_linearized_variance():
 
 
 def test_segmentation_mc_variance_matches_linearized_for_a_linear_model():
-    from lsn_ext.bridge import _logit_moments_mc
-
     la, x = segmentation_la(layers=1)  # logits linear in the parameters: both are exact
     d = bridge_predictive(
         la, x, variance="mc", n_samples=200, generator=torch.Generator().manual_seed(0)
     )
-    f_mu, f_var = _logit_moments_mc(la, x, 200, torch.Generator().manual_seed(0))
+    moments = lsn_ext.predict(la, x, 200, generator=torch.Generator().manual_seed(0))
+    f_mu, f_var = moments.logit_mean, moments.logit_variance
     torch.testing.assert_close(d.alpha, laplace_bridge(f_mu, f_var).alpha, **TOL)
     lin_mu, lin_var = linearized_variance(la.model, x, la.posterior_variance)
     torch.testing.assert_close(f_var, lin_var, rtol=0.5, atol=0)  # 200 samples: 10 % s.e.
