@@ -25,13 +25,13 @@ is swapped once and restored once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["functional_call_all"]
+__all__ = ["functional_call_all", "unflatten"]
 
 
 def _slots(model: nn.Module) -> tuple[dict[str, Tensor], dict[int, list[str]]]:
@@ -127,3 +127,20 @@ def functional_call_all(
     """
     expanded = expand_aliases(model, tensors)
     return functional_call(model, expanded, args, kwargs, tie_weights=False, strict=False)
+
+
+def unflatten(
+    named: Sequence[tuple[str, Tensor]], theta: Tensor, prefix: str = ""
+) -> dict[str, Tensor]:
+    """A flat parameter vector as ``{prefix + name: slice}`` for :func:`functional_call_all`.
+
+    Args:
+        named: ``(name, parameter)`` pairs; ``theta`` concatenates them in this order.
+        theta: ``[P]`` with ``P`` the parameters' total size.
+        prefix: Put before every name (e.g. ``"ssn."`` for a wrapper module).
+
+    Returns:
+        Views of ``theta`` shaped like the parameters.
+    """
+    sizes = [p.numel() for _, p in named]
+    return {prefix + n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}

@@ -43,7 +43,7 @@ import tqdm
 from torch import Tensor, nn
 
 from lsn_ext import distributed as _dist
-from lsn_ext._functional import functional_call_all
+from lsn_ext._functional import functional_call_all, unflatten
 from lsn_ext._laplace import (
     BaseLaplace,
     CurvatureInterface,
@@ -770,10 +770,9 @@ def _nn_logits(
 ) -> Iterator[Tensor]:
     """Logits of the network at ``n`` posterior draws (the sampling predictive)."""
     buffers = dict(model.named_buffers())
-    sizes = [p.numel() for _, p in named]
     for chunk in sample_chunks(la.sample, n, la.n_params, generator):
         for theta in chunk:
-            params = {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
+            params = unflatten(named, theta)
             params.update({n: b.clone() for n, b in buffers.items()})
             yield functional_call_all(model, params, (x,))
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lsn_ext import distributed as _dist
-from lsn_ext._functional import functional_call_all
+from lsn_ext._functional import functional_call_all, unflatten
 from lsn_ext._laplace import BaseLaplace, Laplace
 from lsn_ext.estimators import Estimator
 from lsn_ext.glm import sample_chunks
@@ -402,13 +402,9 @@ def _nn_distributions(
     """The SSN's logit distribution with backbone and mean head at ``n`` posterior draws."""
     named = [(n, p) for n, p in la.model.named_parameters() if p.requires_grad]
     view = _DistributionView(ssn)
-    sizes = [p.numel() for _, p in named]
     for chunk in sample_chunks(la.sample, n, la.n_params, generator):
         for theta in chunk:
-            params = {
-                f"ssn.{n}": t.view_as(p)
-                for (n, p), t in zip(named, theta.split(sizes), strict=True)
-            }
+            params = unflatten(named, theta, prefix="ssn.")
             yield SSNOutput(*functional_call_all(view, params, (x,)))
 
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import vmap
 
-from lsn_ext._functional import functional_call_all
+from lsn_ext._functional import functional_call_all, unflatten
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
 
 __all__ = [
@@ -612,7 +612,7 @@ class VariationalPosterior:
             raise ValueError(
                 "the model's trainable parameters changed since the posterior was built"
             )
-        return {n: t.view_as(p) for (n, p), t in zip(named, theta.split(sizes), strict=True)}
+        return unflatten(named, theta)
 
     def log_likelihood(self, theta: Tensor, x: Tensor, y: Tensor) -> Tensor:
         """``log p(y | x, θ) = −loss(f_θ(x), y)`` (summed), for one ``θ`` ``[P]``."""
