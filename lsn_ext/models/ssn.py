@@ -297,12 +297,22 @@ def ssn_loss(
     pos_weight: float = 1.0,
     reduction: str = "mean",
     generator: torch.Generator | None = None,
+    objective: str = "logsumexp",
 ) -> Tensor:
-    """The SSN loss (LSN Eq. 11), a Monte Carlo estimate of ``−log E_η p(y | η)`` per image.
+    """The SSN loss per image, from ``M`` logit samples ``η^(m)`` of :meth:`SSNOutput.rsample`.
 
-    ``L = −logsumexp_m Σ_s log p(y_s | η_s^(m)) + log M`` with ``η^(m)`` from
-    :meth:`SSNOutput.rsample` (antithetic by default). With zero covariance it is the summed
-    binary cross-entropy (``K = 1``, Bernoulli with ``σ(η)``) or cross-entropy (``K ≥ 2``).
+    - ``objective="logsumexp"`` (LSN Eq. 11, the SSN paper's loss): a Monte Carlo estimate of
+      the image's marginal likelihood, ``L = −logsumexp_m Σ_s log p(y_s | η_s^(m)) + log M``
+      (``−log E_η p(y | η)``; biased for finite ``M``, which favours a wide logit distribution:
+      one sample that fits the image suffices).
+    - ``objective="expected"``: the per-pixel expected negative log-likelihood under the logit
+      distribution, ``L_E = −(1/M) Σ_m Σ_s log p(y_s | η_s^(m))`` (an unbiased estimate of
+      ``−Σ_s E_η log p(y_s | η_s)``, an upper bound of ``−log E_η p(y | η)`` by Jensen). It
+      depends on the covariance only through each pixel's marginal, so it cannot learn the
+      low-rank factor's cross-pixel correlations beyond their marginal variance.
+
+    With zero covariance both are the summed binary cross-entropy (``K = 1``, Bernoulli with
+    ``σ(η)``) or cross-entropy (``K ≥ 2``); with ``M = 1`` they coincide.
 
     Args:
         output: The SSN's distribution for the batch.
@@ -314,17 +324,20 @@ def ssn_loss(
             (``pos_weight · y log σ(η) + (1 − y) log(1 − σ(η))``); 1 is the plain likelihood.
         reduction: ``"mean"`` or ``"sum"`` over the images, or ``"none"`` (``[N]``).
         generator: Random generator.
+        objective: ``"logsumexp"`` (Eq. 11) or ``"expected"`` (per-pixel expected NLL).
 
     Returns:
         The loss (a scalar, or ``[N]``).
 
     Raises:
-        ValueError: For an unknown ``reduction``, a target that does not match the logits,
-            binary masks outside ``[0, 1]`` (or NaN), or class indices that are not integers
-            in ``[0, K)``.
+        ValueError: For an unknown ``reduction`` or ``objective``, a target that does not match
+            the logits, binary masks outside ``[0, 1]`` (or NaN), or class indices that are not
+            integers in ``[0, K)``.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if objective not in ("logsumexp", "expected"):
+        raise ValueError(f"objective must be 'logsumexp' or 'expected', got {objective!r}")
     N, _, H, W = output.mean.shape
     if y.numel() != N * H * W:
         raise ValueError(
@@ -334,7 +347,10 @@ def ssn_loss(
     _check_targets(y, output.mean.shape[1])
     logits = output.rsample(n_samples, antithetic=antithetic, generator=generator)
     log_lik = _log_likelihood(logits, y, pos_weight)  # [M, N]
-    loss = -torch.logsumexp(log_lik, 0) + math.log(n_samples)
+    if objective == "expected":
+        loss = -log_lik.mean(0)
+    else:
+        loss = -torch.logsumexp(log_lik, 0) + math.log(n_samples)
     if reduction == "mean":
         return loss.mean()
     if reduction == "sum":

@@ -66,8 +66,8 @@ def test_antithetic_samples_mirror_about_the_mean():
         out.rsample(5)
 
 
-def direct_loss(out, y, eta, pos_weight=1.0):
-    """Eq. 11 written out sample by sample and pixel by pixel."""
+def direct_loss(out, y, eta, pos_weight=1.0, objective="logsumexp"):
+    """Eq. 11 (or the per-pixel expected NLL) written out sample by sample and pixel by pixel."""
     M, N = eta.shape[:2]
     losses = []
     for n in range(N):
@@ -82,7 +82,7 @@ def direct_loss(out, y, eta, pos_weight=1.0):
                 ll = torch.log_softmax(f, 0).gather(0, y[n][None].long()).sum()
             terms.append(ll)
         terms = torch.stack(terms)
-        losses.append(-(terms.exp().mean()).log())
+        losses.append(-terms.mean() if objective == "expected" else -(terms.exp().mean()).log())
     return torch.stack(losses)
 
 
@@ -116,6 +116,47 @@ def test_loss_against_direct_evaluation(num_classes, pos_weight):
     torch.testing.assert_close(mean, loss.mean())
 
 
+@pytest.mark.parametrize(
+    ("num_classes", "antithetic"),
+    [(1, True), (1, False), (3, True)],
+    ids=["binary", "binary-plain-samples", "three-classes"],
+)
+def test_expected_objective_matches_definition(num_classes, antithetic):
+    ssn = make(num_classes)
+    out = ssn.distribution(torch.randn(2, 2, 4, 4))
+    y = (
+        (torch.rand(2, 1, 4, 4) > 0.5).double()
+        if num_classes == 1
+        else torch.randint(0, num_classes, (2, 4, 4))
+    )
+    kw = {"antithetic": antithetic, "reduction": "none"}
+    loss = ssn_loss(
+        out, y, 6, objective="expected", generator=torch.Generator().manual_seed(5), **kw
+    )
+    eta = out.rsample(6, antithetic=antithetic, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(loss, direct_loss(out, y, eta, objective="expected"))
+    lse = ssn_loss(out, y, 6, generator=torch.Generator().manual_seed(5), **kw)
+    assert bool((lse <= loss + 1e-12).all())  # Jensen: log-mean-exp ≥ mean
+
+
+def test_objectives_agree_for_one_sample():
+    out = make(1).distribution(torch.randn(2, 2, 4, 4))
+    y = (torch.rand(2, 1, 4, 4) > 0.5).double()
+    a, b = (
+        ssn_loss(
+            out, y, 1, antithetic=False, objective=o, generator=torch.Generator().manual_seed(2)
+        )
+        for o in ("logsumexp", "expected")
+    )
+    torch.testing.assert_close(a, b)
+
+
+def test_unknown_objective_is_refused():
+    out = make(1).distribution(torch.randn(2, 2, 4, 4))
+    with pytest.raises(ValueError, match="objective must be 'logsumexp' or 'expected'"):
+        ssn_loss(out, torch.ones(2, 1, 4, 4), objective="mean")
+
+
 def test_loss_is_cross_entropy_at_zero_variance():
     ssn = make(1)
     out = ssn.distribution(torch.randn(2, 2, 4, 4))
@@ -123,6 +164,7 @@ def test_loss_is_cross_entropy_at_zero_variance():
     y = (torch.rand(2, 1, 4, 4) > 0.5).double()
     bce = F.binary_cross_entropy_with_logits(out.mean, y, reduction="sum")
     torch.testing.assert_close(ssn_loss(out, y, 4, reduction="sum"), bce)
+    torch.testing.assert_close(ssn_loss(out, y, 4, reduction="sum", objective="expected"), bce)
 
 
 def test_loss_trains_the_variance_heads():
