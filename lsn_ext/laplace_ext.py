@@ -117,6 +117,58 @@ def _check_eval_norms(model: nn.Module, what: str) -> None:
             )
 
 
+def _check_trainable(model: nn.Module) -> None:
+    """Refuse a model without parameters, or with every parameter frozen, naming which."""
+    tensors = list(model.parameters())
+    if not tensors:
+        raise ValueError(
+            f"{type(model).__name__} has no parameters at all: there are no weights to put a "
+            "Laplace approximation on (a network with learnable layers is needed)"
+        )
+    if not any(p.requires_grad for p in tensors):
+        raise ValueError(
+            f"all {len(tensors)} parameter tensors of {type(model).__name__} are frozen "
+            "(requires_grad=False): the posterior is over the parameters with requires_grad=True, "
+            "and there are none. Unfreeze the ones it should cover (model.requires_grad_(True), "
+            "or only some layers for a subnetwork Laplace)"
+        )
+
+
+def _check_before_laplace_fit(model: nn.Module, train_loader: Any) -> None:
+    """Errors that laplace-torch's ``fit`` raises before any backend runs, made clear.
+
+    laplace-torch builds its backend lazily, on the first batch, after ``fit`` has already
+    flattened the trainable parameters with ``parameters_to_vector`` (``torch.cat`` of nothing
+    for a frozen model, ``.view(-1)`` of a channels_last weight) and taken ``next(iter(
+    train_loader))`` (``StopIteration`` for a loader without batches): ``DiagBackprop`` cannot
+    intercept these. lsn_ext's own entry points that call ``fit`` check them first with this.
+
+    Raises:
+        ValueError: For a model without trainable parameters, a trainable parameter that is
+            not contiguous (channels_last), or a loader of length 0.
+    """
+    _check_trainable(model)
+    for name, p in model.named_parameters():
+        if p.requires_grad and not p.is_contiguous():
+            raise ValueError(
+                f"parameter {name} {tuple(p.shape)} is not contiguous (a channels_last model?): "
+                "laplace-torch's fit flattens the parameters with .view(-1), which fails on it "
+                "('view size is not compatible'). Fit with "
+                "model.to(memory_format=torch.contiguous_format); convert back afterwards if "
+                "you like (lsn_ext.predict runs on either memory format)"
+            )
+    if hasattr(train_loader, "__len__") and len(train_loader) == 0:
+        dataset = getattr(train_loader, "dataset", None)
+        what = f"its dataset has {len(dataset)} samples" if dataset is not None else "empty"
+        raise ValueError(
+            f"train_loader yields no batches ({what}, batch_size="
+            f"{getattr(train_loader, 'batch_size', None)}, drop_last="
+            f"{getattr(train_loader, 'drop_last', None)}): nothing to fit the posterior on "
+            "(laplace-torch's fit would raise a bare StopIteration). Use a smaller batch size "
+            "or drop_last=False"
+        )
+
+
 def _resolve_estimator(
     estimator: Estimator | None,
     mc_samples: int | None,
@@ -194,6 +246,33 @@ class DiagBackprop(GGNInterface):
     ranks never share vectors, even for identical batches. A DDP-wrapped model is unwrapped (the
     curvature runs on ``model.module``).
 
+    **What laplace-torch's ``fit`` does to the model** (its own code, before and around this
+    backend, which cannot undo it): ``la.fit`` calls ``model.eval()`` and leaves the model in eval
+    mode (batch norm included), calls ``model.zero_grad()`` before every batch (``.grad`` is
+    ``None`` afterwards) and sets ``model.output_size``. laplace-torch creates the backend lazily,
+    on the first batch, after ``model.eval()``, so the backend never sees the modes or gradients
+    as they were. Keep what you need before the call::
+
+        was_training = model.training
+        la.fit(train_loader)
+        model.train(was_training)
+
+    (per-module modes: save ``{m: m.training for m in model.modules()}`` and restore each).
+    ``la(x, pred_type="nn")`` loads every posterior sample into the model and finally
+    ``la.mean`` with ``vector_to_parameters``, which leaves the parameters' data as views into
+    ``la.mean``: training the model afterwards changes the posterior mean too. Detach them with
+    ``torch.nn.utils.vector_to_parameters(la.mean.clone(), la.params)``. lsn_ext's own entry
+    points (:func:`predict`, :func:`gridsearch_prior_precision`, :func:`lsn_ext.lsn.fit_lsn`,
+    ...) leave the model as they found it.
+
+    Errors laplace-torch raises before the backend exists (so not this backend's messages): a
+    model whose parameters are all frozen (``torch.cat(): expected a non-empty list of
+    Tensors``) or that has none (``StopIteration``), a loader without batches
+    (``StopIteration``), a channels_last model (``view size is not compatible``; fit with
+    ``model.to(memory_format=torch.contiguous_format)``), ``subset_of_weights="last_layer"`` on
+    a network without a final ``nn.Linear`` (``Use model with a linear last layer.``) and
+    ``hessian_structure="lowrank"`` (``ImportError`` asking for asdfghjkl). See the README.
+
     Args:
         model: The network; any ``nn.Module`` the native engine supports, run on tensor inputs.
         likelihood: ``"classification"`` or ``"regression"`` (given by laplace-torch).
@@ -231,7 +310,8 @@ class DiagBackprop(GGNInterface):
             process group (default). ``False``: each rank keeps its own shard's posterior.
 
     Raises:
-        ValueError: For ``last_layer=True``, a loss that does not match the likelihood, a
+        ValueError: For ``last_layer=True``, a model without parameters or with all of them
+            frozen (message says which), a loss that does not match the likelihood, a
             loss with ``reduction="mean"``, an unknown estimator, bad estimator options or
             contradictory ``stochastic``/``num_samples``/``estimator``/``mc_samples``.
         TypeError: For a ``seed`` that is not an int or ``None``, or a non-bool
@@ -264,6 +344,7 @@ class DiagBackprop(GGNInterface):
         # GGNInterface.__init__ would store ``stochastic``/``num_samples``; here they are
         # read-only views of the estimator, so initialise the base interface directly.
         model = _dist.unwrap(model)
+        _check_trainable(model)
         CurvatureInterface.__init__(
             self, model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y
         )
@@ -569,6 +650,13 @@ class DiagBackprop(GGNInterface):
         """Not available: DB computes a diagonal."""
         raise NotImplementedError(
             "DiagBackprop computes the GGN diagonal only; use hessian_structure='diag'"
+        )
+
+    def eig_lowrank(self, *args: Any, **kwargs: Any):
+        """Not available: laplace-torch's ``hessian_structure="lowrank"`` needs ASDL's Hessian."""
+        raise NotImplementedError(
+            "DiagBackprop computes the GGN diagonal only; hessian_structure='lowrank' needs "
+            "laplace-torch's AsdfghjklHessian backend. Use hessian_structure='diag'"
         )
 
     def kron(self, *args: Any, **kwargs: Any):

@@ -738,7 +738,14 @@ class VariationalPosterior:
                 positive ints, a learning rate that is not finite and positive, a loader without
                 batches, an empty or non-finite batch, or a non-finite ELBO (the variational
                 parameters are left as they were before that step).
+            RuntimeError: Under ``torch.inference_mode()``, which switches autograd off.
         """
+        if torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                "VariationalPosterior.fit was called under torch.inference_mode(), which switches "
+                "autograd off (even inside torch.enable_grad()), so the ELBO has no gradient to "
+                "follow; call fit outside the inference_mode block"
+            )
         _positive_int("epochs", epochs)
         _positive_int("n_samples", n_samples)
         _positive_int("log_every", log_every)

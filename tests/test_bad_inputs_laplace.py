@@ -10,6 +10,13 @@ snapshot, so clearing or accumulating gradients is caught.
 laplace-torch's own ``Laplace.fit`` (not lsn_ext) sets ``model.output_size``, calls
 ``model.eval()`` and ``model.zero_grad()`` before it reaches the backend; cases marked
 ``laplace_fit`` allow exactly these three differences. The other cases allow none.
+
+Cases named ``upstream-*`` record errors that laplace-torch raises before lsn_ext's backend
+exists (it is built lazily, on the first batch of ``fit``), with laplace-torch's own message:
+the README's table "Errors raised by laplace-torch before the backend runs" gives their remedies.
+If one of them starts failing, laplace-torch has changed: update that table. The tests at the end
+record what laplace-torch's ``fit`` and ``la(x, pred_type="nn")`` do to the model, and check the
+remedies the README gives for them.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import pytest
 import torch
@@ -25,7 +33,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lsn_ext import DiagBackprop, VariationalPosterior, bridge_predictive
-from lsn_ext.laplace_ext import gridsearch_prior_precision, predict
+from lsn_ext.estimators import ggn_diagonal
+from lsn_ext.laplace_ext import _check_before_laplace_fit, gridsearch_prior_precision, predict
 from lsn_ext.lsn import (
     aleatoric_maps,
     ensemble_predict,
@@ -370,6 +379,61 @@ def _bce_nan() -> Tensor:
     return _nan_at(_y("bce"))
 
 
+def _frozen_net() -> nn.Module:
+    net = _net(2)
+    net.requires_grad_(False)
+    return net
+
+
+def _parameterless_net() -> nn.Module:
+    return nn.Sequential(nn.Tanh()).double().eval()
+
+
+def _channels_last_net() -> nn.Module:
+    return _net(2).to(memory_format=torch.channels_last)
+
+
+def _no_batches() -> DataLoader:
+    """One sample, ``batch_size=2``, ``drop_last=True``: a non-empty dataset but no batch."""
+    return DataLoader(TensorDataset(_x(1), _y("ce", 1)), batch_size=2, drop_last=True)
+
+
+def _upstream_fit(model_of: Callable[[], nn.Module], loader_of=None, **laplace_kwargs):
+    """``Laplace(model, ..., backend=DiagBackprop, **laplace_kwargs).fit(loader)`` in the call."""
+
+    def prepare():
+        net = model_of()
+
+        def call():
+            kwargs = {"subset_of_weights": "all", "hessian_structure": "diag", **laplace_kwargs}
+            la = Laplace(net, "classification", backend=DiagBackprop, **kwargs)
+            la.fit(_loader(_x(), _y()) if loader_of is None else loader_of())
+            return la
+
+        return net, call
+
+    return prepare
+
+
+def _under_inference_mode(call: Callable[[], object]) -> object:
+    with torch.inference_mode():
+        return call()
+
+
+def _fit_under_inference_mode():
+    net, call = _upstream_fit(_net)()
+    return net, lambda: _under_inference_mode(call)
+
+
+# laplace-torch checks for asdfghjkl before anything else; with it installed, its fit reaches
+# DiagBackprop.eig_lowrank, which refuses.
+_LOWRANK_ERROR = (
+    _raises(ImportError, "please install the old asdfghjkl")
+    if find_spec("asdfghjkl") is None
+    else _raises(NotImplementedError, "hessian_structure='lowrank'")
+)
+
+
 CASES: dict[str, Case] = {
     # -- DiagBackprop through Laplace(...).fit --------------------------------------------------
     "fit-nan-inputs": Case(
@@ -476,6 +540,73 @@ CASES: dict[str, Case] = {
         laplace_fit=True,
     ),
     "fit-train-mode-model": Case(_train_mode_fit, check=_check_train_mode_fit, laplace_fit=True),
+    "fit-inference-mode": Case(
+        _fit_under_inference_mode,
+        **_raises(RuntimeError, r"under torch\.inference_mode\(\).*outside the inference_mode"),
+        laplace_fit=True,
+    ),
+    # -- laplace-torch's own errors before the backend exists (README table) -------------------
+    "upstream-fit-all-frozen": Case(
+        _upstream_fit(_frozen_net),
+        **_raises(ValueError, r"torch\.cat\(\): expected a non-empty list of Tensors"),
+        laplace_fit=True,
+    ),
+    "upstream-fit-no-parameters": Case(
+        _upstream_fit(_parameterless_net), error=(StopIteration, "^$"), laplace_fit=True
+    ),
+    "upstream-fit-loader-without-batches": Case(
+        _upstream_fit(_net, _no_batches), error=(StopIteration, "^$"), laplace_fit=True
+    ),
+    "upstream-fit-channels-last": Case(
+        _upstream_fit(_channels_last_net),
+        **_raises(RuntimeError, "view size is not compatible with input tensor's size and stride"),
+        laplace_fit=True,
+    ),
+    "upstream-last-layer-on-a-unet": Case(  # laplace-torch fits a deep copy: model untouched
+        _upstream_fit(_net, subset_of_weights="last_layer"),
+        **_raises(ValueError, r"Use model with a linear last layer\."),
+    ),
+    "upstream-marglik-inference-mode": Case(
+        _with_fitted(
+            "ce",
+            lambda la: _under_inference_mode(
+                lambda: la.optimize_prior_precision(method="marglik", n_steps=2)
+            ),
+        ),
+        **_raises(RuntimeError, "element 0 of tensors does not require grad"),
+    ),
+    "upstream-lowrank": Case(
+        _upstream_fit(_net, hessian_structure="lowrank"), **_LOWRANK_ERROR, laplace_fit=True
+    ),
+    # -- what lsn_ext checks itself where it sees them ------------------------------------------
+    "backend-all-frozen": Case(
+        _plain(_frozen_net, lambda net: DiagBackprop(net, "classification")),
+        **_raises(ValueError, r"all 6 parameter tensors of Sequential are frozen.*Unfreeze"),
+    ),
+    "backend-no-parameters": Case(
+        _plain(_parameterless_net, lambda net: DiagBackprop(net, "classification")),
+        **_raises(ValueError, "Sequential has no parameters at all"),
+    ),
+    "backend-eig-lowrank": Case(
+        _with_fitted("ce", lambda la: la.backend.eig_lowrank(_loader(_x(), _y()))),
+        **_raises(NotImplementedError, r"'lowrank' needs laplace-torch's AsdfghjklHessian"),
+    ),
+    "check-before-fit-all-frozen": Case(
+        _plain(_frozen_net, lambda net: _check_before_laplace_fit(net, _loader(_x(), _y()))),
+        **_raises(ValueError, "are frozen"),
+    ),
+    "check-before-fit-channels-last": Case(
+        _plain(_channels_last_net, lambda net: _check_before_laplace_fit(net, _loader(_x(), _y()))),
+        **_raises(ValueError, r"parameter 0\.weight \(3, 2, 3, 3\) is not contiguous.*contiguous_"),
+    ),
+    "check-before-fit-loader-without-batches": Case(
+        _plain(_net, lambda net: _check_before_laplace_fit(net, _no_batches())),
+        **_raises(ValueError, r"yields no batches \(its dataset has 1 samples, batch_size=2, drop"),
+    ),
+    "check-before-fit-valid": Case(
+        _plain(_net, lambda net: _check_before_laplace_fit(net, _loader(_x(), _y())) or "ok"),
+        check=lambda r: r == "ok" or pytest.fail(repr(r)),
+    ),
     "backend-empty-batch": Case(
         _with_fitted("ce", lambda la: la.backend.diag(_x()[:0], _y()[:0], N=4)),
         **_raises(ValueError, "non-empty batch"),
@@ -547,6 +678,10 @@ CASES: dict[str, Case] = {
     "predict-eval-model": Case(
         _with_fitted("ce", lambda la: predict(la, _x(), 3)), check=_check_prediction
     ),
+    "predict-inference-mode": Case(
+        _with_fitted("ce", lambda la: _under_inference_mode(lambda: predict(la, _x(), 3))),
+        check=_check_prediction,
+    ),
     # -- gridsearch_prior_precision -----------------------------------------------------------
     "gridsearch-255-without-ignore-index": Case(
         _gs(_with_255(_y())), **_raises(ValueError, r"255 is outside \[0, 2\).*ignore_index")
@@ -575,6 +710,10 @@ CASES: dict[str, Case] = {
     "gridsearch-nan-inputs": Case(_gs(x=_nan_at(_x())), **_raises(ValueError, "NaN or infinite")),
     "gridsearch-empty-loader": Case(
         _with_fitted("ce", lambda la: gridsearch_prior_precision(la, [], grid=[1.0])),
+        **_raises(ValueError, "no batches"),
+    ),
+    "gridsearch-loader-without-batches": Case(
+        _with_fitted("ce", lambda la: gridsearch_prior_precision(la, _no_batches(), grid=[1.0])),
         **_raises(ValueError, "no batches"),
     ),
     "gridsearch-dict-batches": Case(
@@ -696,6 +835,13 @@ CASES: dict[str, Case] = {
     "vi-fit-inf-targets": Case(
         _vi_call(_vi_fit(batches=[(_x(2), _nan_at(_y("ce", 2).double(), INF))])),
         **_raises(ValueError, "y of shape .* NaN or infinite"),
+    ),
+    "vi-fit-inference-mode": Case(
+        _vi_call(lambda vi: _under_inference_mode(lambda: _vi_fit()(vi))),
+        **_raises(RuntimeError, r"fit was called under torch\.inference_mode\(\)"),
+    ),
+    "vi-fit-loader-without-batches": Case(
+        _vi_call(_vi_fit(batches=_no_batches())), **_raises(ValueError, "no data")
     ),
     "vi-fit-empty-batch": Case(
         _vi_call(_vi_fit(batches=[(_x(0), _y("ce", 0))], n_data=4)),
@@ -846,3 +992,94 @@ def test_bad_input(case: Case):
 
 def test_there_are_at_least_fifty_cases():
     assert len(CASES) >= 50
+
+
+# -- what laplace-torch itself does to the model, and the README's remedies --------------------
+
+
+def test_laplace_fit_leaves_the_model_in_eval_mode_without_grads_and_the_remedy_restores():
+    """laplace-torch's ``fit``, not the backend: README "la.fit changes the model"."""
+    net = _net(2).train()
+    for p in net.parameters():
+        p.grad = torch.randn_like(p)
+    was_training = {m: m.training for m in net.modules()}
+    la = _laplace(net)
+    la.fit(_loader(_x(), _y()))
+    assert not any(m.training for m in net.modules())  # batch norm included
+    assert all(p.grad is None for p in net.parameters())
+    assert net.output_size == 6  # laplace-torch's n_outputs: the last axis
+    for m, mode in was_training.items():  # the README's remedy
+        m.train(mode)
+    assert net.training
+    assert net[1].training
+
+
+def _classifier_laplace() -> tuple[nn.Module, Laplace]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x = torch.randn(6, 3, dtype=F64, generator=torch.Generator().manual_seed(4))
+    y = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(5))
+    la = _laplace(net)
+    la.fit(_loader(x, y))
+    return net, la
+
+
+def _aliases_mean(p: Tensor, la: Laplace) -> bool:
+    return p.untyped_storage().data_ptr() == la.mean.untyped_storage().data_ptr()
+
+
+def test_laplace_nn_predictive_leaves_parameters_aliasing_the_mean_and_the_remedy_detaches():
+    """laplace-torch's ``la(x, pred_type="nn")`` on a plain [N, K] classifier (README)."""
+    net, la = _classifier_laplace()
+    before = [p.detach().clone() for p in net.parameters()]
+    la(torch.randn(2, 3, dtype=F64), pred_type="nn", link_approx="mc", n_samples=3)
+    assert all(_aliases_mean(p, la) for p in net.parameters())
+    mean = la.mean.clone()
+    with torch.no_grad():
+        net[0].weight.add_(1.0)  # e.g. an optimiser step after the predictive
+    assert not torch.equal(la.mean, mean)  # the posterior mean moved with the model
+    with torch.no_grad():
+        net[0].weight.sub_(1.0)
+    torch.nn.utils.vector_to_parameters(la.mean.clone(), la.params)  # the README's remedy
+    assert not any(_aliases_mean(p, la) for p in net.parameters())
+    for p, b in zip(net.parameters(), before, strict=True):
+        torch.testing.assert_close(p, b, rtol=0, atol=1e-15)
+    with torch.no_grad():
+        net[0].weight.add_(1.0)
+    torch.testing.assert_close(la.mean, mean, rtol=0, atol=1e-15)
+
+
+def test_laplace_nn_predictive_normalises_segmentation_over_the_width_and_predict_does_not():
+    """Upstream and silent (README "Do not call la(x)"): lsn_ext.predict is the per-pixel one."""
+    _, la = _fitted("ce")
+    x = _x()
+    upstream = la(x, pred_type="nn", link_approx="mc", n_samples=3)
+    ones = torch.ones(4, 2, 6, dtype=F64)
+    torch.testing.assert_close(upstream.sum(-1), ones)  # over the image width
+    assert not torch.allclose(upstream.sum(1), torch.ones(4, 6, 6, dtype=F64))
+    maps = predict(la, x, 3, pred_type="nn")
+    torch.testing.assert_close(maps.mean.sum(1), torch.ones(4, 6, 6, dtype=F64))
+
+
+def test_channels_last_remedy_fits_contiguous_and_predicts_on_either_format():
+    """README: fit with contiguous parameters, convert back; same curvature and maps."""
+    net = _net(2)
+    la = _laplace(net)
+    la.fit(_loader(_x(), _y()))
+    contiguous = predict(la, _x(), 4, generator=torch.Generator().manual_seed(0))
+    db = ggn_diagonal(net, _x(), _y(), "ce", estimator="db").vector
+    mc = ggn_diagonal(net, _x(), _y(), "ce", generator=torch.Generator().manual_seed(0)).vector
+    net.to(memory_format=torch.channels_last)
+    assert net[0].weight.is_contiguous(memory_format=torch.channels_last)
+    last = predict(la, _x(), 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(last.mean, contiguous.mean, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(last.variance, contiguous.variance, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(
+        ggn_diagonal(net, _x(), _y(), "ce", estimator="db").vector, db, rtol=1e-12, atol=0
+    )
+    torch.testing.assert_close(
+        ggn_diagonal(net, _x(), _y(), "ce", generator=torch.Generator().manual_seed(0)).vector,
+        mc,
+        rtol=1e-12,
+        atol=0,
+    )

@@ -310,6 +310,10 @@ BAD_METRIC_CALLS = {
         lambda: average_precision(torch.tensor([0.1, float("nan"), 0.3]), torch.tensor([0, 1, 1])),
         r"scores must be finite",
     ),
+    "average-precision-inf-score": (  # +inf was ranked as the top score
+        lambda: average_precision(torch.tensor([0.1, math.inf, 0.3]), torch.tensor([0, 1, 1])),
+        r"scores must be finite",
+    ),
     "auroc-nan-score": (
         lambda: auroc(torch.tensor([0.1, float("nan")]), torch.tensor([0.5])),
         r"scores_id must be finite",
