@@ -49,6 +49,7 @@ Run: ``./dev bench lsn_paper [--parts table1,table2] [--seeds 0-4] [--workers 2]
 from __future__ import annotations
 
 import argparse
+import csv
 import hashlib
 import json
 import math
@@ -972,14 +973,15 @@ def report_table1(cache: Cache, seeds: list[int]) -> str:
         f"precision by validation NLL; the chosen value was at an end of the grid in {edge} of "
         f"{3 * len(res)} fits. Runs that stayed at background (IoU below 0.05): "
         + ("; ".join(collapsed) or "none")
-        + f". Fisher's exact test (two-sided) on these counts at factor {f0}: LSN {count['LSN']}/{n} "
-        f"against LSN (diag) {count['LSN (diag)']}/{n}, p = "
+        + f". Fisher's exact test (two-sided) on these counts at factor {f0}: LSN "
+        f"{count['LSN']}/{n} against LSN (diag) {count['LSN (diag)']}/{n}, p = "
         f"{_fisher_exact(count['LSN'], n, count['LSN (diag)'], n):.2g}; the rank-"
         f"{cache.budget.rank} SSN models (SSN + Dropout, LSN; separate networks) {low}/{2 * n} "
         f"against the rank-0 ones (SSN (diag) + Dropout, LSN (diag)) {diag}/{2 * n}, p = "
         f"{_fisher_exact(low, 2 * n, diag, 2 * n):.2g}. With {n} seeds per model, only a large "
-        "difference in the rate of collapse can reach p < 0.05; the paper's Table 1 (one run per "
-        "model) has every model but SSN + Dropout and LSN at IoU < 10^-10 at factors 1 and 2.\n"
+        "difference in the rate of collapse can reach p < 0.05; the paper's Table 1 (arXiv v1, "
+        "values without intervals) has every model but SSN + Dropout and LSN at IoU < 10^-10 at "
+        "factors 1 and 2.\n"
     )
 
 
@@ -1006,7 +1008,14 @@ def report_table2(cache: Cache, datasets: list[str], seeds_of: dict[str, list[in
     if res is None:
         return "Table 2: not run (select `--parts table2`)."
     cols = ("pixel_noise", "pixel_black", "box_noise", "box_black")
-    parts = ["## Table 2: Pixel Ratio and Box Ratio of the epistemic maps"]
+    parts = [
+        "## Table 2: Pixel Ratio and Box Ratio of the epistemic maps",
+        "The paper's numbers are its Table 2 in the 2023 arXiv version (arXiv:2303.13123v1; ISIC, "
+        "networks trained for 60 epochs); the 2024 version has no Box Ratio. A network that stayed "
+        "at background (IoU near 0) still has a variance map and a Box Ratio, so a model's Box "
+        "Ratio and its per-seed rank below count such networks too: read them with the IoU "
+        "column (for the lesions, Table 1 at the same factor has the same networks).",
+    ]
     for d in datasets:
         seeds = seeds_of[d]
         rows = []
@@ -1026,7 +1035,7 @@ def report_table2(cache: Cache, datasets: list[str], seeds_of: dict[str, list[in
                     "Pixel Ratio black",
                     "Box Ratio noise",
                     "Box Ratio black",
-                    "paper (ISIC): PR n / PR b / BR n / BR b",
+                    "paper, arXiv v1 Table 2 (ISIC): PR n / PR b / BR n / BR b",
                 ],
                 rows,
             )
@@ -1037,7 +1046,14 @@ def report_table2(cache: Cache, datasets: list[str], seeds_of: dict[str, list[in
             f"95 % CI over {len(seeds)} seeds (the boxes are redrawn per seed). A Box Ratio of "
             f"{area:.3f} is what a variance spread evenly over the image gives. Epistemic "
             f"variance from {cache.budget.n_epistemic} samples "
-            f"(Ensemble: {cache.budget.ensemble} members).\n"
+            f"(Ensemble: {cache.budget.ensemble} members)."
+            + (
+                " Black is the background of the fluorescence image, so the black box is not out "
+                "of distribution here: the black-box columns do not test OOD detection."
+                if d == "nuclei"
+                else ""
+            )
+            + "\n"
         )
         parts.append(_ordering(res, d, seeds) + "\n" + _pixel_medians(res, d, seeds))
     return "\n\n".join(parts)
@@ -1116,8 +1132,10 @@ def report_fig4(cache: Cache, datasets: list[str], seeds_of: dict[str, list[int]
         )
         + "\n\nAverage precision (area under the precision-recall curve) of each per-pixel map "
         "as a score for the box pixels, pooled over the test images of a seed; mean ± 95 % CI "
-        "over seeds. The paper's claim: the epistemic component finds the out-of-distribution "
-        "box, the aleatoric one does not.\n"
+        "over seeds. This adapts the paper's Fig. 4, which (arXiv v1) compares the "
+        "precision-recall of the segmentations from each component on clean images; the "
+        "question here, whether the epistemic map finds the corrupted box and the aleatoric one "
+        "does not, is that of the paper's §4.4 and Fig. 6.\n"
     )
 
 
@@ -1152,8 +1170,10 @@ def report_fig5(cache: Cache, datasets: list[str], seeds_of: dict[str, list[int]
             rows,
         )
         + "\n\nShare of the summed variance map of the clean test images within 2 pixels "
-        "(Chebyshev) of the mask boundary. A map that marks boundaries (the paper's Fig. 5) has "
-        "a share well above the pixel share.\n"
+        "(Chebyshev) of the mask boundary. A map that marks boundaries (the paper's Fig. 5, "
+        "arXiv v1: the LSN's aleatoric variance high at the boundary of one image) has a share "
+        "well above the pixel share and a band mean above the inside and outside means; a share "
+        "above the pixel share with the highest mean inside marks the object, not its boundary.\n"
     )
 
 
@@ -1244,6 +1264,9 @@ def report_diagnose(cache: Cache, seeds: list[int]) -> str:
             ],
             rows,
         )
+        + "\n\nVar σ(η) is the aleatoric map of Fig. 5. It marks boundaries only where its band "
+        "mean is above its inside and outside means; a boundary share above the pixel share "
+        "with the highest mean inside marks the object's interior."
     ]
     rows = []
     for name in ("LSN", "U-Net + LA"):
@@ -1295,10 +1318,25 @@ def report_diagnose(cache: Cache, seeds: list[int]) -> str:
         )
     rel = fmt([res[s]["estimator"]["relative_difference"] for s in seeds], 2)
     ratio = fmt([res[s]["estimator"]["sum_ratio_db_over_mc"] for s in seeds], 2)
+    above = [res[s]["prior"]["LSN"]["validation NLL grid (used above)"] for s in seeds]
+    above = [v["curvature_above_prior"] for v in above]
+    note = (
+        f" Each row's prior is its own validation-NLL grid choice. For the `mc` posterior a share "
+        f"of {fmt(above, 2)} of the parameters has a curvature above that prior (the prior "
+        "table's first row)"
+        + (
+            ", so for the others the posterior precision H + prior is within a factor 2 of the "
+            "prior: the posterior is essentially the prior, and this table says nothing about "
+            "the estimators. They were not compared at the marglik prior."
+            if _mean(above) < 0.05
+            else "."
+        )
+    )
     text.append(
         "### The curvature estimator (LSN)\n\n"
         + _table(["GGN diagonal", "prior precision", "IoU", "Box Ratio noise"], rows)
         + f"\n\n‖H_db − H_mc‖ / ‖H_mc‖ = {rel}; Σ H_db / Σ H_mc = {ratio}."
+        + note
     )
     return "\n\n".join(text)
 
@@ -1334,15 +1372,27 @@ def write_report(
         f"{b.n_epistemic} epistemic and {b.n_aleatoric} aleatoric samples; Laplace: diagonal "
         'GGN by unbiased Monte Carlo (`estimator="mc"`), prior precision by validation NLL '
         f"over 10^{b.prior_exponents[0]}…10^{b.prior_exponents[-1]}.",
-        f"**Training length.** Every network here is trained for {b.steps} steps, not to "
-        "convergence, and every predictive is the sampling (`nn`) one. The same questions with "
+        f"**Training length.** Every network here is trained for {b.steps} Adam steps (the "
+        f"diagnosis' 4× variant: {4 * b.steps}), not to convergence (the paper, arXiv v1 A.1: 60 "
+        "epochs), so each Laplace approximation is taken at weights that need not be a mode of "
+        "the loss, which the approximation assumes. The intervals are over few seeds and "
+        "unpaired: read a difference between two models as within the seed-to-seed noise unless "
+        'a per-seed comparison (the "k of n seeds" lines, `lsn_paper_per_seed.csv`) says '
+        "otherwise. Every predictive is the sampling (`nn`) one. The same questions with "
         "early-stopped networks and the linearised (`glm`) predictive, beside failure-detection "
         "baselines, are answered in `uncertainty.md` (`integration/uncertainty_benchmark.py`): "
         "Table 2's noise Box Ratio and Fig. 7's shift AUROC at the middle strength.",
+        "Per-seed values of every table: `lsn_paper_per_seed.csv` (data set, part, model, seed, "
+        "metric, value).",
     ]
     seeds_of = {"lesions": seeds, "nuclei": seeds if nuclei_seeds is None else nuclei_seeds}
     for d in datasets:
-        intro.append(f"- {d}: {load_data(d, b).notes}; seeds {', '.join(map(str, seeds_of[d]))}.")
+        data = load_data(d, b)
+        epochs = b.steps * b.batch_size / len(data.train_x)
+        intro.append(
+            f"- {d} ({SOURCES[d]}): {data.notes}; {b.steps} steps are {epochs:.1f} epochs; seeds "
+            f"{', '.join(map(str, seeds_of[d]))}."
+        )
     intro.append(cost)
     sections = ["\n\n".join(intro)]
     if "table1" in parts:
@@ -1359,7 +1409,106 @@ def write_report(
         sections.append(report_diagnose(cache, seeds))
     path = out / "lsn_paper.md"
     path.write_text("\n\n".join(sections) + "\n")
+    _write_per_seed(out / "lsn_paper_per_seed.csv", per_seed_rows(cache, parts, seeds, seeds_of))
     return path
+
+
+SOURCES = {
+    "lesions": "synthetic, not ISIC: ISIC-like images generated by `lsn_ext.data.lesion_dataset`",
+    "nuclei": "a fluorescence image; black is its background, so a black box is not OOD here",
+}
+
+
+def per_seed_rows(
+    cache: Cache, parts: list[str], seeds: list[int], seeds_of: dict[str, list[int]]
+) -> list[tuple[str, str, str, int, str, float]]:
+    """Every table's per-seed values as ``(data set, part, model, seed, metric, value)`` rows
+    (the report's cells are their means over seeds); parts not run are left out."""
+    rows: list[tuple[str, str, str, int, str, float]] = []
+    b = cache.budget
+    if "table1" in parts:
+        for f in b.factors:
+            for s in seeds:
+                r = cache.stored(f"table1-lesions-f{f}-s{s}")
+                for name in MODELS if r is not None else ():
+                    rows.append(("lesions", "table1", name, s, f"iou_factor_{f}", r[name]["iou"]))
+    datasets = list(seeds_of)
+    for d in datasets:
+        for s in seeds_of[d]:
+            r = cache.stored(f"eval-{d}-s{s}")
+            if r is None:
+                continue
+            for name in MODELS if "table2" in parts else ():
+                v = r[name]
+                rows.append((d, "table2", name, s, "iou", v["iou"]))
+                for k in ("pixel_noise", "pixel_black", "box_noise", "box_black"):
+                    rows.append((d, "table2", name, s, k, _mean(v[k])))
+                for k in ("pixel_noise", "pixel_black"):
+                    median = torch.tensor(v[k]).median().item()
+                    rows.append((d, "table2", name, s, f"{k}_median", median))
+            for name in SSN_MODELS if "fig4" in parts else ():
+                v = r[name]
+                for k in ("noise", "black"):
+                    for comp in ("aleatoric", "epistemic"):
+                        rows.append((d, "fig4", name, s, f"ap_{comp}_{k}", v[f"ap_{comp}_{k}"]))
+                rows.append((d, "fig4", name, s, "box_share_noise", _mean(v["box_area_noise"])))
+            for name in SSN_MODELS if "fig5" in parts else ():
+                v = r[name]
+                for k in ("boundary_aleatoric", "boundary_epistemic", "boundary_pixels"):
+                    rows.append((d, "fig5", name, s, k, v[k]))
+                for k, label in zip(_REGIONS, ("band", "inside", "outside"), strict=True):
+                    value = v["boundary_aleatoric_mean"][k]
+                    rows.append((d, "fig5", name, s, f"aleatoric_mean_{label}", value))
+    if "fig7" in parts:
+        for s in seeds:
+            r = cache.stored(f"fig7-lesions-s{s}")
+            for name in MODELS if r is not None else ():
+                rows.append(("lesions", "fig7", name, s, "entropy_clean", r[name]["clean"]))
+                for kind, (strengths, _) in SHIFTS.items():
+                    for st in strengths:
+                        for k in ("entropy", "auroc"):
+                            value = r[name][f"{kind}:{st}"][k]
+                            rows.append(("lesions", "fig7", name, s, f"{k}_{kind}_{st}", value))
+    if "diagnose" in parts:
+        for s in seeds[: b.diagnose_seeds]:
+            r = cache.stored(f"diagnose-lesions-s{s}")
+            if r is None:
+                continue
+            for label, v in r["aleatoric"].items():
+                for k in ("iou", "boundary_share", "boundary_share_logit_var", "boundary_pixels"):
+                    rows.append(("lesions", "diagnose", label, s, k, v[k]))
+                for m in ("region_means", "logit_sd_region_means", "abs_mean_region_means"):
+                    for k, where in zip(_REGIONS, ("band", "inside", "outside"), strict=True):
+                        rows.append(("lesions", "diagnose", label, s, f"{m}_{where}", v[m][k]))
+            for name, choices in r["prior"].items():
+                for label, v in choices.items():
+                    if label == "grid":
+                        continue
+                    for k in (
+                        "prior_min",
+                        "prior_max",
+                        "curvature_above_prior",
+                        "val_nll",
+                        "iou",
+                        "pixel_noise",
+                        "box_noise",
+                    ):
+                        rows.append(("lesions", "diagnose", f"{name}: {label}", s, k, v[k]))
+            est = r["estimator"]
+            for e in ("db", "mc"):
+                for k in ("prior_precision", "iou", "box_noise"):
+                    rows.append(("lesions", "diagnose", f"LSN, GGN diagonal {e}", s, k, est[e][k]))
+            for k in ("relative_difference", "sum_ratio_db_over_mc"):
+                rows.append(("lesions", "diagnose", "LSN, GGN diagonal db vs mc", s, k, est[k]))
+    return rows
+
+
+def _write_per_seed(path: Path, rows: list[tuple]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["dataset", "part", "model", "seed", "metric", "value"])
+        for *key, value in rows:
+            writer.writerow([*key, f"{float(value):.6g}"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1377,7 +1526,8 @@ def _record(cache: Cache, key: tuple, seconds: float) -> None:
 
 
 def _cost(cache: Cache, units: list[tuple]) -> str:
-    """What the units of this report cost when they were computed (one thread each)."""
+    """What the units of this report cost when they were computed: the wall-clock time of each
+    unit as run (:func:`_record`), not CPU time."""
     path = cache.path("timings", suffix=".json")
     timings = json.loads(path.read_text()) if path.exists() else {}
     per: dict[str, list[float]] = {}
@@ -1388,10 +1538,22 @@ def _cost(cache: Cache, units: list[tuple]) -> str:
         for k, v in per.items()
     ]
     return (
-        "Cost of the units behind this report, as computed (one thread each; a unit trains or "
-        "loads its networks and posteriors first, so the first unit to need a network pays "
-        "for it):\n\n"
-        + _table(["unit", "units", "CPU min", "longest unit, min", "wall min with 2 workers"], rows)
+        "Cost of the units behind this report: the wall-clock time of each unit as it ran "
+        "(`time.perf_counter` around the unit, recorded when it was computed; with `--workers 2` "
+        "one torch thread per unit and two units side by side on the 2 cores), not CPU time. A "
+        "unit trains or loads its networks and posteriors first, so the first unit to need a "
+        "network pays for it. The last column is the summed time divided by 2, an estimate of "
+        "the wall time with 2 workers, not a measurement:\n\n"
+        + _table(
+            [
+                "unit",
+                "units",
+                "summed unit wall time, min",
+                "longest unit, min",
+                "summed ÷ 2 workers, min",
+            ],
+            rows,
+        )
     )
 
 
