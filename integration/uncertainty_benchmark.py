@@ -987,8 +987,10 @@ def _section_training(rep: Report) -> str:
         "searches. At the upper end the posterior is nearly a point mass at the trained weights, "
         "so the Laplace predictive equals the MAP's (U-Net + LA ≈ MAP entropy; LSN ≈ the SSN's "
         "own aleatoric predictive) and `nn` and `glm` coincide.\n\n"
-        + lp._table(["part", "CPU min, all units", "longest unit, min"], timing_rows)
-        + "\n\nOne thread per unit; training times as recorded when each network was trained.\n"
+        + lp._table(["part", "summed wall min, all units", "longest unit, min"], timing_rows)
+        + "\n\nWall-clock time (`time.perf_counter`) of each part as it ran, one torch thread per "
+        "unit and two units side by side on the 2 cores, summed over the units: not CPU time. "
+        "Training times as recorded when each network was trained.\n"
     )
 
 
