@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ pro
     from lsn_ext.outputs import SelectOutput
     from lsn_ext.rules import get_rule, register_rule, supported_modules
     from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss
+    from lsn_ext.rules.ssn_likelihood import ExpectedBCE, LogsumexpBCE
     from lsn_ext.vi import GaussianMixture, StructuredGaussian, VariationalPosterior
 
 __version__ = "0.1.0.dev0"
@@ -83,6 +84,8 @@ _LAZY: dict[str, str] = {
     "BCEWithLogits": "lsn_ext.rules.losses",
     "CrossEntropy": "lsn_ext.rules.losses",
     "Loss": "lsn_ext.rules.losses",
+    "ExpectedBCE": "lsn_ext.rules.ssn_likelihood",
+    "LogsumexpBCE": "lsn_ext.rules.ssn_likelihood",
     # variational baselines
     "GaussianMixture": "lsn_ext.vi",
     "StructuredGaussian": "lsn_ext.vi",
@@ -97,9 +100,11 @@ __all__ = [
     "CrossEntropy",
     "DiagBackprop",
     "DiagBackpropResult",
+    "ExpectedBCE",
     "GaussianMixture",
     "GridSearchResult",
     "LaplaceBridge",
+    "LogsumexpBCE",
     "Loss",
     "SegmentationPrediction",
     "SelectOutput",

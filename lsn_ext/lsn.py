@@ -5,7 +5,9 @@ the logits. The LSN adds epistemic uncertainty with a diagonal Laplace approxima
 **backbone and the mean head only**; the variance heads stay at ``θ_MAP`` (LSN Eq. 12). At zero
 logit variance the SSN loss is the (binary) cross-entropy of the mean network, so the curvature
 is the GGN of that loss, computed here by diagonal backpropagation
-(:class:`lsn_ext.DiagBackprop`).
+(:class:`lsn_ext.DiagBackprop`). With logit noise the SSN's own likelihood has a different
+curvature w.r.t. ``μ``: ``fit_lsn(..., curvature="expected" | "logsumexp")`` uses it instead
+(binary SSNs; derivation in :mod:`lsn_ext.rules.ssn_likelihood`).
 
 Binary segmentation uses one logit channel with a sigmoid and the Bernoulli likelihood (the
 ``σ(η)`` of LSN Eq. 16–17); its curvature is that of :class:`lsn_ext.BCEWithLogits` with the same
@@ -17,7 +19,7 @@ Shape legend: ``N`` batch, ``K`` logit channels, ``H``/``W`` height and width.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -43,9 +45,11 @@ from lsn_ext.laplace_ext import (
     predict,
 )
 from lsn_ext.models.ssn import SSN, SSNOutput
-from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy
+from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy, Loss
+from lsn_ext.rules.ssn_likelihood import ExpectedBCE, LogsumexpBCE
 
 __all__ = [
+    "CURVATURES",
     "LSNPrediction",
     "MeanNetwork",
     "aleatoric_maps",
@@ -74,6 +78,88 @@ def _restored(*modules: nn.Module, grads: bool = False) -> Iterator[None]:
             m.training = mode
         for p, g in saved.items():
             p.grad = g
+
+
+Curvature = Literal["ce", "expected", "logsumexp"]
+CURVATURES: tuple[str, ...] = ("ce", "expected", "logsumexp")
+
+
+class _WithSSNTargets:
+    """The training loader with targets that carry the SSN's covariance (``fit_lsn``).
+
+    Batch ``i`` ``(x, y)`` becomes ``(x, pack(ssn.distribution(x), y, i))``, the distribution
+    taken without gradients on the SSN's device; ``i`` restarts at 0 with every iteration
+    (laplace-torch takes the first batch once more to size its output). ``dataset``,
+    ``sampler`` and ``len`` are the loader's, which laplace-torch and :mod:`lsn_ext.distributed`
+    read.
+    """
+
+    def __init__(
+        self, loader: DataLoader, ssn: SSN, pack: Callable[[SSNOutput, Tensor, int], Tensor]
+    ):
+        self.loader, self.ssn, self.pack = loader, ssn, pack
+        self.dataset = loader.dataset
+        self.sampler = getattr(loader, "sampler", None)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        device = next(self.ssn.parameters()).device
+        for i, batch in enumerate(self.loader):
+            if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+                raise TypeError(
+                    f"fit_lsn needs (x, y) batches for curvature='expected'/'logsumexp', got a "
+                    f"{type(batch).__name__}"
+                )
+            x, y = batch[0].to(device), batch[1].to(device)
+            with torch.no_grad():  # not around the yield: the fit runs with gradients
+                targets = self.pack(self.ssn.distribution(x), y, i)
+            yield x, targets
+
+
+def _curvature_loss(
+    ssn: SSN,
+    curvature: str,
+    pos_weight: float,
+    n_samples: int | None,
+    seed: int | None,
+    distributed: bool,
+) -> tuple[Loss, Callable[[SSNOutput, Tensor, int], Tensor] | None]:
+    """The loss of ``curvature`` and, unless ``"ce"``, how to pack each batch's targets."""
+    if curvature not in CURVATURES:
+        raise ValueError(f"unknown curvature {curvature!r}; use one of {CURVATURES}")
+    if curvature != "logsumexp" and n_samples is not None:
+        raise ValueError(
+            f"curvature={curvature!r} draws no logit noise, but n_samples={n_samples!r}; "
+            "n_samples is the number of draws M of curvature='logsumexp'"
+        )
+    if curvature == "ce":
+        loss = BCEWithLogits(pos_weight=pos_weight) if ssn.num_classes == 1 else CrossEntropy()
+        return loss, None
+    if ssn.num_classes != 1:
+        raise ValueError(
+            f"curvature={curvature!r} supports binary SSNs (num_classes=1), this SSN has "
+            f"{ssn.num_classes} classes: the expected C×C curvature block needs each pixel's "
+            "K-dimensional logit marginal. Use curvature='ce' for multi-class SSNs"
+        )
+    if curvature == "expected":
+
+        def pack_variance(output: SSNOutput, y: Tensor, _batch: int) -> Tensor:
+            return ExpectedBCE.targets(output, y)
+
+        return ExpectedBCE(pos_weight=pos_weight), pack_variance
+    loss = LogsumexpBCE(pos_weight=pos_weight, n_samples=20 if n_samples is None else n_samples)
+    rank = (_dist.world() or (0, 1))[0] if distributed else 0
+
+    def pack_draws(output: SSNOutput, y: Tensor, batch: int) -> Tensor:
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=output.mean.device)
+            generator.manual_seed(hash((seed, rank, batch)) & (2**63 - 1))
+        return loss.targets(output, y, generator=generator)
+
+    return loss, pack_draws
 
 
 class MeanNetwork(nn.Module):
@@ -110,14 +196,33 @@ def fit_lsn(
     mc_samples: int = 1,
     seed: int | None = 0,
     distributed: bool = True,
+    curvature: Curvature = "ce",
+    n_samples: int | None = None,
 ) -> BaseLaplace:
     """Fit the LSN posterior: a diagonal Laplace approximation over backbone + mean head.
 
     ``Laplace(MeanNetwork(ssn), "classification", subset_of_weights="all",
-    hessian_structure="diag", backend=DiagBackprop)`` with the BCE (``K = 1``) or cross-entropy
-    loss, fitted on ``train_loader``. ``la.n_params`` equals the number of parameters of
+    hessian_structure="diag", backend=DiagBackprop)`` fitted on ``train_loader``, with the loss
+    that ``curvature`` names. ``la.n_params`` equals the number of parameters of
     ``ssn.backbone`` and ``ssn.mean_head``. Tune the prior precision afterwards, e.g. with
     :func:`lsn_ext.gridsearch_prior_precision` or ``la.optimize_prior_precision``.
+
+    The curvature w.r.t. the mean logits ``μ`` (per pixel, ``a = w₊ y + 1 − y``; derivation
+    and accuracy in :mod:`lsn_ext.rules.ssn_likelihood`):
+
+    - ``"ce"`` (default): the BCE (``K = 1``) or cross-entropy Hessian at ``μ``, ignoring the
+      SSN's logit noise: ``a σ(μ)σ(−μ)``.
+    - ``"expected"``: ``a E_{η ~ N(μ, v)} σ(η)σ(−η)`` with each pixel's marginal variance
+      ``v = d + |P_s|²`` at ``θ_MAP``, the exact Hessian of the per-pixel expected NLL
+      (:class:`~lsn_ext.rules.ssn_likelihood.ExpectedBCE`, deterministic quadrature).
+    - ``"logsumexp"``: ``a Σ_m w_m σ(η^(m))σ(−η^(m))``, the PSD part of the Hessian of the SSN
+      loss (LSN Eq. 11) with ``n_samples`` fixed antithetic draws ``η^(m) = μ + ε^(m)`` per
+      image and importance weights ``w = softmax_m(log p(y | η^(m)))``
+      (:class:`~lsn_ext.rules.ssn_likelihood.LogsumexpBCE`).
+
+    For the last two each batch's targets are packed with the SSN's covariance for its images
+    (``ssn.distribution(x)`` in eval mode, without gradients), and ``la.loss`` is that
+    likelihood's negative log, summed over the data. They support binary SSNs (``K = 1``).
 
     Args:
         ssn: A trained SSN (left unchanged).
@@ -139,6 +244,11 @@ def fit_lsn(
             gets the posterior of the whole data set; the rank is folded into ``seed``), see
             :mod:`lsn_ext.distributed`. A padding or dropping ``DistributedSampler`` is refused
             before the fit. ``False``: each rank fits its own shard.
+        curvature: ``"ce"``, ``"expected"`` or ``"logsumexp"`` (see above).
+        n_samples: Draws ``M`` per image for ``"logsumexp"`` (even; default 20, the paper's
+            SSN loss). Batch ``i`` of a fit draws them from a generator seeded with
+            ``hash((seed, rank, i))`` (``seed=None``: torch's global generator), so a refit on
+            the same loader order reproduces the posterior. Refused for the other curvatures.
 
     Returns:
         The fitted laplace-torch object; ``la.model`` is the :class:`MeanNetwork`.
@@ -146,7 +256,9 @@ def fit_lsn(
     Raises:
         TypeError: If ``ssn`` is not an SSN or ``train_loader`` has no ``dataset``.
         ValueError: If the loader's dataset is empty, for a ``DistributedSampler`` that pads or
-            drops samples (distributed fits), and as :class:`lsn_ext.DiagBackprop`.
+            drops samples (distributed fits), an unknown ``curvature``, ``"expected"`` or
+            ``"logsumexp"`` for ``K ≥ 2``, ``n_samples`` that is not a positive even int or is
+            given for another curvature, and as :class:`lsn_ext.DiagBackprop`.
     """
     if not isinstance(ssn, SSN):
         raise TypeError(f"fit_lsn takes an lsn_ext.models.SSN, got {type(ssn).__name__}")
@@ -160,7 +272,7 @@ def fit_lsn(
         raise ValueError("train_loader's dataset is empty: nothing to fit the posterior on")
     if distributed and _dist.world() is not None:
         _dist.check_loader(train_loader)
-    loss = BCEWithLogits(pos_weight=pos_weight) if ssn.num_classes == 1 else CrossEntropy()
+    loss, pack = _curvature_loss(ssn, curvature, pos_weight, n_samples, seed, distributed)
     la = Laplace(
         MeanNetwork(ssn),
         "classification",
@@ -179,6 +291,9 @@ def fit_lsn(
     # laplace-torch's fit calls model.eval() and model.zero_grad() on the MeanNetwork, i.e. on
     # the SSN's own backbone and mean head: put their modes and gradients back.
     with _restored(ssn, grads=True):
+        if pack is not None:
+            ssn.eval()
+            train_loader = _WithSSNTargets(train_loader, ssn, pack)
         la.fit(train_loader, progress_bar=progress_bar)
     return la
 
