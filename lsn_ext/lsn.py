@@ -37,6 +37,7 @@ from lsn_ext.laplace_ext import (
     PRED_TYPES,
     DiagBackprop,
     SegmentationPrediction,
+    _check_before_laplace_fit,
     _check_choice,
     _check_images,
     _check_n_samples,
@@ -272,9 +273,11 @@ def fit_lsn(
         raise ValueError("train_loader's dataset is empty: nothing to fit the posterior on")
     if distributed and _dist.world() is not None:
         _dist.check_loader(train_loader)
+    mean_network = MeanNetwork(ssn)
+    _check_before_laplace_fit(mean_network, train_loader)
     loss, pack = _curvature_loss(ssn, curvature, pos_weight, n_samples, seed, distributed)
     la = Laplace(
-        MeanNetwork(ssn),
+        mean_network,
         "classification",
         subset_of_weights="all",
         hessian_structure="diag",

@@ -367,6 +367,22 @@ def _fit_lsn_call(loader_of: Callable[[], object], **kwargs):
     return prepare
 
 
+def _frozen_ssn_fit():
+    def prepare():
+        ssn = _ssn().requires_grad_(False)
+        return ssn, lambda: fit_lsn(ssn, _loader(*_ssn_data()))
+
+    return prepare
+
+
+def _channels_last_ssn_fit():
+    def prepare():
+        ssn = _ssn().to(memory_format=torch.channels_last)
+        return ssn, lambda: fit_lsn(ssn, _loader(*_ssn_data()))
+
+    return prepare
+
+
 def _plain(model_of: Callable[[], nn.Module], call: Callable[[nn.Module], object]):
     def prepare():
         model = model_of()
@@ -883,6 +899,20 @@ CASES: dict[str, Case] = {
     ),
     "fit-lsn-empty-dataset": Case(
         _fit_lsn_call(lambda: _loader(*_ssn_data(0))), **_raises(ValueError, "empty")
+    ),
+    "fit-lsn-loader-without-batches": Case(
+        _fit_lsn_call(
+            lambda: DataLoader(TensorDataset(*_ssn_data(1)), batch_size=2, drop_last=True)
+        ),
+        **_raises(ValueError, r"yields no batches \(its dataset has 1 samples"),
+    ),
+    "fit-lsn-all-frozen": Case(
+        _frozen_ssn_fit(),
+        **_raises(ValueError, "are frozen"),
+    ),
+    "fit-lsn-channels-last": Case(
+        _channels_last_ssn_fit(),
+        **_raises(ValueError, r"parameter backbone\..* is not contiguous.*contiguous_format"),
     ),
     "fit-lsn-list-of-batches": Case(
         _fit_lsn_call(lambda: [_ssn_data()]), **_raises(TypeError, "must be a DataLoader")
