@@ -1,0 +1,52 @@
+"""``integration/lsn_budget.py``: budgets, and the quick run's report and per-seed CSV."""
+
+import csv
+
+import pytest
+
+from tests.scripts import load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    yield from load_script("lsn_budget")
+
+
+@pytest.fixture(scope="module")
+def quick_run(bench, tmp_path_factory):
+    """The quick run, in float32 like a real one (module fixtures run before the float64 one)."""
+    out = tmp_path_factory.mktemp("lsn_budget")
+    argv = ["--quick", "--seeds", "0,1", "--workers", "1", "--cache", str(out / "cache")]
+    return out, bench.main([*argv, "--out", str(out)]).read_text()
+
+
+def test_budgets_differ_only_in_the_step_cap(bench):
+    budgets = [bench.budget(cap, quick=False) for cap in bench.CAPS]
+    assert [b.steps for b in budgets] == [128, 512, 2048]
+    assert len({b.key() for b in budgets}) == 3  # separate caches
+    first = budgets[0]
+    for b in budgets[1:]:
+        assert (b.eval_every, b.patience, b.min_steps, b.n_train) == (
+            first.eval_every,
+            first.patience,
+            first.min_steps,
+            first.n_train,
+        )
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_budget_and_model(bench, quick_run):
+    out, text = quick_run
+    results = text.split("## Results per budget")[1].split("\n## ")[0]
+    for cap in bench.CAPS:
+        for model in bench.MODELS:
+            assert f"| {cap} | {model} | 2 | " in results, (cap, model)
+        assert f"| {cap} | MAP entropy (baseline) | 2 | " in results
+        assert f"| {cap} | SSN aleatoric boundary ratio | 2 | " in results
+    paired = text.split("## Paired per seed")[1].split("\n## ")[0]
+    assert paired.count("LSN (expected) − LSN (ce)") == len(bench.CAPS)
+    assert "nan" not in text.lower()
+    with (out / "lsn_budget_per_seed.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    per_model = {(r["step_cap"], r["model"], r["seed"]) for r in rows}
+    assert len(per_model) == len(bench.CAPS) * 2 * (len(bench.MODELS) + 3)
