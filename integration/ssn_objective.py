@@ -438,10 +438,17 @@ def main(argv: list[str] | None = None) -> Path:
     out = args.out or (tmp if tmp else RESULTS)
     root = args.cache or ((tmp / "cache") if tmp else RESULTS / ".cache" / "uncertainty")
     cache = ub.ConvergedCache(root, budget)
-    # Seed by seed (a cut-short run leaves whole seeds); within a seed the expensive
-    # configurations first, so that the last units to finish are short ones.
+    # Seed by seed (a cut-short run leaves whole seeds), the M = 100 configurations (a third of
+    # the cost) after all the others; within a seed the expensive configurations first.
     units = [] if args.report_only else [(c, s) for s in seeds for c in grid]
-    units.sort(key=lambda u: (seeds.index(u[1]), -(u[0].samples * (1 + u[0].rank))))
+    big = max(c.samples for c in grid)
+    units.sort(
+        key=lambda u: (
+            u[0].samples == big,
+            seeds.index(u[1]),
+            -(u[0].samples * (1 + u[0].rank)),
+        )
+    )
     work = [(root, budget, 1, u) for u in units]
     t0 = time.perf_counter()
     if args.workers > 1 and len(work) > 1:

@@ -102,7 +102,7 @@ def test_quick_run_reports_every_rule_and_section(bench, quick_run):
         "## Each rule's prior and what it gives",
         "## Paired per seed against the default",
         "## The decision",
-        "## Every measure on the grid",
+        "## Every measure on a coarse grid",
         "## The grid NLL's bias",
     ):
         assert heading in text, heading
@@ -112,7 +112,7 @@ def test_quick_run_reports_every_rule_and_section(bench, quick_run):
     assert "nan" not in text.lower()
     with (out / "lsn_prior_per_seed.csv").open() as f:
         rows = list(csv.DictReader(f))
-    grid = bench._grid(quick=True)
-    assert len(rows) == 2 * (len(bench.RULES) + len(grid)) * len(bench.MEASURES)
+    curve = bench._curve(quick=True)
+    assert len(rows) == 2 * (len(bench.RULES) + len(curve)) * len(bench.MEASURES)
     assert {r["seed"] for r in rows} == {"0", "1"}
     assert all(r["prior"] for r in rows)
