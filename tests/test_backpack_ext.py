@@ -165,6 +165,8 @@ NORM_NETS = {
     ),
     "groupnorm-prelu": lambda: (nn.GroupNorm(2, 4), nn.PReLU(4)),
     "layernorm-chw-prelu": lambda: (nn.LayerNorm([4, 6, 6]), nn.PReLU()),
+    "instancenorm-affine-softmax": lambda: (nn.InstanceNorm2d(4, affine=True), nn.Softmax(1)),
+    "groupnorm-log-softmax": lambda: (nn.GroupNorm(2, 4), nn.LogSoftmax(1)),
 }
 
 

@@ -557,6 +557,9 @@ NORM_NETS = {
     "groupnorm-prelu": lambda: (nn.GroupNorm(2, 4), nn.PReLU(4)),
     "groupnorm-1-group-prelu-1": lambda: (nn.GroupNorm(1, 4), nn.PReLU()),
     "layernorm-chw-prelu": lambda: (nn.LayerNorm([4, 6, 6]), nn.PReLU(4)),
+    # MONAI's Act["SOFTMAX"] / Act["LOGSOFTMAX"] as hidden activations (over the channels)
+    "instancenorm-affine-softmax": lambda: (nn.InstanceNorm2d(4, affine=True), nn.Softmax(1)),
+    "groupnorm-log-softmax": lambda: (nn.GroupNorm(2, 4), nn.LogSoftmax(1)),
 }
 
 

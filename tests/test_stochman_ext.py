@@ -464,7 +464,7 @@ def test_unsupported_nnj_module_error_names_class_path_and_how_to_register():
     assert "stochman.nnj.Conv2d" in msg  # the list of registered layers
 
 
-def test_custom_container_and_softmax_are_refused():
+def test_custom_container_and_unsupported_layer_are_refused():
     class Block(nn.Module):
         def __init__(self):
             super().__init__()
@@ -476,8 +476,18 @@ def test_custom_container_and_softmax_are_refused():
     x, y = torch.randn(1, 2, 2, 2), torch.zeros(1, 1, 2, 2)
     with pytest.raises(NotImplementedError, match=r"Block at '0'.*Containers understood"):
         sx.diag_backprop_nnj(nnj.Sequential(Block()), x, y, "bce")
-    with pytest.raises(NotImplementedError, match=r"stochman\.nnj\.Softmax at '1'.*Write a"):
-        sx.diag_backprop_nnj(nnj.Sequential(sx.Conv2d(2, 1, 1), nnj.Softmax(dim=1)), x, y, "bce")
+    with pytest.raises(NotImplementedError, match=r"stochman\.nnj\.Sqrt at '1'.*Write a"):
+        sx.diag_backprop_nnj(nnj.Sequential(sx.Conv2d(2, 1, 1), nnj.Sqrt()), x, y, "bce")
+
+
+def test_nnj_softmax_takes_the_softmax_rule():
+    torch.manual_seed(0)
+    conv, head = nnj.Conv2d(2, 3, 1), nnj.Conv2d(3, 1, 1)
+    x, y = torch.randn(2, 2, 3, 3), (torch.rand(2, 1, 3, 3) > 0.5).double()
+    stoch = sx.diag_backprop_nnj(nnj.Sequential(conv, nnj.Softmax(dim=1), head), x, y, "bce")
+    plain = diag_backprop(nn.Sequential(conv, nn.Softmax(dim=1), head), x, y, "bce")
+    torch.testing.assert_close(stoch.vector, plain.vector)
+    assert stoch.vector.abs().sum() > 0
 
 
 def test_exact_cross_entropy_needs_the_head_last():

@@ -42,6 +42,7 @@ from lsn_ext.rules.elementwise import (
 from lsn_ext.rules.linear import LinearRule
 from lsn_ext.rules.norm import BatchNormRule, GroupNormRule, InstanceNormRule, LayerNormRule
 from lsn_ext.rules.pooling import AvgPoolRule
+from lsn_ext.rules.softmax import LogSoftmaxRule, SoftmaxRule
 from lsn_ext.rules.structural import DropoutRule, StructuralRule
 from lsn_ext.rules.upsample import UpsampleRule
 
@@ -62,6 +63,7 @@ __all__ = [
     "LayerNormRule",
     "LeakyReLURule",
     "LinearRule",
+    "LogSoftmaxRule",
     "MishRule",
     "PReLURule",
     "ReLURule",
@@ -69,6 +71,7 @@ __all__ = [
     "SELURule",
     "SiLURule",
     "SigmoidRule",
+    "SoftmaxRule",
     "SoftplusRule",
     "StructuralRule",
     "TanhRule",
@@ -100,6 +103,9 @@ RULES: dict[type[nn.Module], Rule] = {
     nn.Hardsigmoid: HardsigmoidRule(),
     nn.SELU: SELURule(),
     nn.CELU: CELURule(),
+    nn.Softmax: SoftmaxRule(),
+    nn.Softmax2d: SoftmaxRule(),
+    nn.LogSoftmax: LogSoftmaxRule(),
     nn.ReLU6: StructuralRule(),
     nn.Hardtanh: StructuralRule(),
     nn.Identity: StructuralRule(),

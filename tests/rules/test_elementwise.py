@@ -22,6 +22,11 @@ MODULES = {
     "hardsigmoid": nn.Hardsigmoid,
     "selu": nn.SELU,
     "celu-0.5": lambda: nn.CELU(0.5),  # 1/α exact in float32, as torch's CELU needs
+    "softmax-dim1": lambda: nn.Softmax(dim=1),
+    "softmax-last-dim": lambda: nn.Softmax(dim=-1),
+    "softmax2d": nn.Softmax2d,
+    "log-softmax-dim1": lambda: nn.LogSoftmax(dim=1),
+    "log-softmax-last-dim": lambda: nn.LogSoftmax(dim=-1),
     "relu6": nn.ReLU6,
     "hardtanh": nn.Hardtanh,
     "identity": nn.Identity,
@@ -55,6 +60,12 @@ def test_rules_with_other_jacobians_are_not_autograd_exact():
     for name in ("tanh", "leaky-relu-0.2", "gelu", "softplus-beta2-threshold1", "upsample-linear"):
         module = MODULES[name]()
         assert not get_rule(module).is_autograd_exact(module), name
+
+
+@pytest.mark.parametrize("cls", [nn.Softmax, nn.LogSoftmax])
+def test_softmax_without_a_dimension_is_refused(cls):
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\(dim=None\) picks its dimension"):
+        get_rule(cls()).check(cls())
 
 
 @pytest.mark.parametrize("cls", [nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d])
