@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ pro
         gridsearch_prior_precision,
         predict,
     )
-    from lsn_ext.outputs import SelectOutput
+    from lsn_ext.outputs import SelectInput, SelectOutput
     from lsn_ext.rules import get_rule, register_rule, supported_modules
     from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss
     from lsn_ext.rules.ssn_likelihood import ExpectedBCE, LogsumexpBCE
@@ -76,6 +76,7 @@ _LAZY: dict[str, str] = {
     "gridsearch_prior_precision": "lsn_ext.laplace_ext",
     "predict": "lsn_ext.laplace_ext",
     # rules and losses
+    "SelectInput": "lsn_ext.outputs",
     "SelectOutput": "lsn_ext.outputs",
     "get_rule": "lsn_ext.rules",
     "register_rule": "lsn_ext.rules",
@@ -107,6 +108,7 @@ __all__ = [
     "LogsumexpBCE",
     "Loss",
     "SegmentationPrediction",
+    "SelectInput",
     "SelectOutput",
     "StructuredGaussian",
     "TopK",

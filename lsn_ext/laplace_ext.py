@@ -34,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,6 +55,7 @@ from lsn_ext._laplace import (
 )
 from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
 from lsn_ext.glm import linearized_tangents, sample_chunks
+from lsn_ext.outputs import SelectInput, plain_tensor
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
 
 __all__ = [
@@ -88,6 +89,32 @@ def _check_finite(name: str, t: Tensor) -> None:
             f"{name} of shape {tuple(t.shape)} holds {bad} NaN or infinite value(s); "
             "clean or mask them before calling"
         )
+
+
+def _dict_input(model: nn.Module, batch: Mapping[str, Any], key: str, who: str) -> Tensor:
+    """The images ``batch[key]`` of a dictionary batch for a ``SelectInput(model, key)``.
+
+    Raises:
+        ValueError: If the model is not a ``SelectInput`` (laplace-torch passes dictionaries
+            whole to the model, which the engines cannot split into samples), its key differs
+            from ``key``, or the batch lacks ``key``.
+    """
+    keys = sorted(map(str, batch))
+    if not isinstance(model, SelectInput):
+        raise ValueError(
+            f"{who} got a dictionary batch (keys {keys}) for a {type(model).__name__}, which "
+            "takes it whole; the curvature and predictives run the model on one image tensor. "
+            "Wrap the network: Laplace(lsn_ext.SelectInput(net, 'image'), ..., "
+            "dict_key_x='image', dict_key_y='label') (MONAI's keys), or give (x, y) batches"
+        )
+    if model.key != key:
+        raise ValueError(
+            f"SelectInput takes the key {model.key!r} but dict_key_x is {key!r}: give "
+            f"Laplace(..., dict_key_x={model.key!r}) (or SelectInput(net, {key!r}))"
+        )
+    if key not in batch:
+        raise ValueError(f"the batch has no key dict_key_x={key!r} (keys: {keys})")
+    return batch[key]
 
 
 def _check_images(x: Any, name: str = "x") -> Tensor:
@@ -279,10 +306,12 @@ class DiagBackprop(GGNInterface):
             Regression outputs must be ``[N, K]``: see the module documentation.
         last_layer: Must be false: for last-layer Laplace the built-in backends are exact.
         subnetwork_indices: Set by laplace-torch's subnetwork Laplace.
-        dict_key_x: laplace-torch's key of the inputs in dictionary batches. Dictionary
-            batches are refused: laplace-torch passes the whole dictionary to the model, which
-            the engine cannot replay per sample; give ``(x, y)`` tensor batches.
-        dict_key_y: laplace-torch's key of the targets in dictionary batches (unused).
+        dict_key_x: laplace-torch's key of the inputs in dictionary batches (MONAI:
+            ``"image"``). laplace-torch passes the whole dictionary to the model, so the model
+            must be a :class:`~lsn_ext.SelectInput` with this key; the curvature then runs on
+            the tensor ``batch[dict_key_x]``. Other models are refused for dictionary batches.
+        dict_key_y: laplace-torch's key of the targets in dictionary batches (MONAI:
+            ``"label"``; laplace-torch takes them out of the batch).
         loss: The likelihood's loss, summed over the data: ``"ce"`` (default for
             classification), ``"bce"`` / :class:`~lsn_ext.BCEWithLogits` for binary
             segmentation with one logit channel, ``"mse"`` (regression), or a
@@ -389,17 +418,12 @@ class DiagBackprop(GGNInterface):
         """laplace-torch's name for :attr:`mc_samples`."""
         return self.mc_samples
 
-    def _tensor_input(self, x: Tensor | MutableMapping[str, Any]) -> Tensor:
-        if isinstance(x, MutableMapping):
-            raise TypeError(
-                f"DiagBackprop runs the model on tensors, but got a dictionary batch (keys "
-                f"{sorted(map(str, x))}; dict_key_x={self.dict_key_x!r}). laplace-torch passes "
-                "dictionaries whole to the model, which the engine cannot replay per sample: "
-                "wrap the model to take the tensor x[dict_key_x] and give (x, y) batches"
-            )
+    def _tensor_input(self, x: Tensor | Mapping[str, Any]) -> Tensor:
+        if isinstance(x, Mapping):
+            x = _dict_input(self.model, x, self.dict_key_x, "DiagBackprop")
         if not isinstance(x, Tensor):
             raise TypeError(f"DiagBackprop takes tensor inputs, got {type(x).__name__}")
-        return x
+        return plain_tensor(x)
 
     def _batch_generator(self, x: Tensor, y: Tensor) -> torch.Generator | None:
         """A generator seeded by ``(seed, x, y)``; ``None`` (global generator) for ``seed=None``."""
@@ -547,9 +571,10 @@ class DiagBackprop(GGNInterface):
                 rank it checks that the ranks see each sample once per fit).
 
         Raises:
-            TypeError: For dictionary inputs, or options other than ``N`` (laplace-torch's
-                ``asdl_fisher_kwargs``, which this backend does not use).
-            ValueError: For NaN/inf inputs or targets, an empty batch, and outputs laplace-torch
+            TypeError: For options other than ``N`` (laplace-torch's ``asdl_fisher_kwargs``,
+                which this backend does not use).
+            ValueError: For a dictionary batch whose model is not a ``SelectInput`` with the key
+                ``dict_key_x``, NaN/inf inputs or targets, an empty batch, and outputs laplace-torch
                 would mishandle (dense regression, cross-entropy on one channel), and in a
                 distributed fit for ranks that disagree on ``N`` or see more than ``N``
                 samples together (see :mod:`lsn_ext.distributed`).
@@ -564,6 +589,7 @@ class DiagBackprop(GGNInterface):
         world = self._world()
         try:
             x = _check_images(self._tensor_input(x), "the batch's inputs")
+            y = plain_tensor(y)
             if not isinstance(y, Tensor):
                 raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
             _check_finite("the batch's targets", y)
@@ -1030,7 +1056,9 @@ def predict(
     _check_n_samples(n_samples)
     _check_choice("pred_type", pred_type, PRED_TYPES)
     _check_choice("link_approx", link_approx, LINK_APPROXES)
-    x = _check_images(x)
+    if isinstance(x, Mapping):
+        x = _dict_input(la.model, x, la.dict_key_x, "predict")
+    x = _check_images(plain_tensor(x))
     link = _link(la)
     if link == "identity" and link_approx != "mc":
         raise ValueError(
@@ -1118,6 +1146,8 @@ def _nll(
         nll = -(y * p.clamp_min(tiny).log() + (1 - y) * (1 - p).clamp_min(tiny).log())
         return float((nll * valid).sum()), int(valid.sum())
     expected = p.shape[:1] + p.shape[2:]
+    if y.dim() == p.dim() > 2 and y.shape[1] == 1 and y.shape[:1] + y.shape[2:] == expected:
+        y = y[:, 0]  # MONAI's label maps [N, 1, *spatial]
     if y.shape != expected:
         raise ValueError(
             f"class targets must have shape {tuple(expected)} for predictions "
@@ -1299,13 +1329,22 @@ def gridsearch_prior_precision(
             la.prior_precision = value
             total, count, n_batches = 0.0, 0, 0
             for batch, data in enumerate(val_loader):
-                if isinstance(data, MutableMapping) or len(data) != 2:
+                if isinstance(data, Mapping):
+                    if la.dict_key_y not in data:
+                        raise ValueError(
+                            f"the validation batch has no key dict_key_y={la.dict_key_y!r} "
+                            f"(keys: {sorted(map(str, data))})"
+                        )
+                    x = _dict_input(la.model, data, la.dict_key_x, "gridsearch_prior_precision")
+                    y = data[la.dict_key_y]
+                elif len(data) != 2:
                     raise TypeError(
-                        "val_loader must yield (x, y) pairs of tensors, got a "
-                        f"{type(data).__name__}"
+                        "val_loader must yield (x, y) pairs of tensors (or dictionary batches "
+                        f"with dict_key_x and dict_key_y), got a {type(data).__name__}"
                     )
-                x, y = data
-                x = _check_images(x)
+                else:
+                    x, y = data
+                x, y = _check_images(plain_tensor(x)), plain_tensor(y)
                 gen = torch.Generator(device=x.device).manual_seed(seed + batch)
                 try:
                     pred = predict(

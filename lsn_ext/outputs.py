@@ -1,12 +1,73 @@
-"""A wrapper for networks that return several outputs (deep supervision, auxiliary heads)."""
+"""Wrappers for several outputs (deep supervision) and for dictionary batches (MONAI)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["SelectOutput"]
+__all__ = ["SelectInput", "SelectOutput", "plain_tensor"]
+
+
+def plain_tensor(x: Any) -> Any:
+    """``x`` as a plain ``torch.Tensor`` if it is a tensor subclass (MONAI's ``MetaTensor``).
+
+    ``MetaTensor`` carries an affine and metadata through every operation by
+    ``__torch_function__``; the curvature engines and predictives need only the values (and run
+    faster without the metadata), so they take a plain view of the same storage. Other objects
+    are returned unchanged.
+    """
+    if isinstance(x, Tensor) and type(x) is not Tensor and not isinstance(x, nn.Parameter):
+        return x.as_subclass(torch.Tensor)
+    return x
+
+
+class SelectInput(nn.Module):
+    """``SelectInput(model, key)(batch) = model(batch[key])``; a tensor passes straight through.
+
+    MONAI pipelines yield dictionary batches (``{"image": [N, C, *spatial], "label":
+    [N, 1, *spatial], ...}``, often ``MetaTensor``). laplace-torch's ``fit`` takes them with
+    ``Laplace(..., dict_key_x=..., dict_key_y=...)`` but calls the model on the whole dictionary
+    of the first batch, which a MONAI network does not accept. Wrap it::
+
+        la = Laplace(lsn_ext.SelectInput(net, "image"), "classification",
+                     subset_of_weights="all", hessian_structure="diag",
+                     backend=lsn_ext.DiagBackprop, dict_key_x="image", dict_key_y="label")
+        la.fit(monai_loader)
+
+    :class:`~lsn_ext.DiagBackprop` then runs the curvature on the tensor ``batch[key]``, and
+    :func:`~lsn_ext.predict` takes either the tensor or the dictionary. ``MetaTensor`` inputs
+    are passed on as plain tensors (:func:`plain_tensor`). The wrapper holds ``model`` as its
+    submodule ``model`` (parameter names gain the prefix ``model.``) and changes nothing in it.
+
+    Args:
+        model: The network, taking one tensor ``[N, C, *spatial]``.
+        key: The key of the images in the batches (MONAI's convention: ``"image"``).
+    """
+
+    def __init__(self, model: nn.Module, key: str = "image"):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"SelectInput wraps an nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.key = key
+
+    def forward(self, x: Tensor | Mapping[str, Any]) -> Any:
+        """``model(x[key])`` for a dictionary, ``model(x)`` for a tensor."""
+        if isinstance(x, Mapping):
+            if self.key not in x:
+                raise KeyError(
+                    f"the batch has no key {self.key!r} (keys: {sorted(map(str, x))}); give "
+                    "SelectInput the key of the images"
+                )
+            x = x[self.key]
+        return self.model(plain_tensor(x))
+
+    def extra_repr(self) -> str:
+        """The key."""
+        return f"key={self.key!r}"
 
 
 class SelectOutput(nn.Module):

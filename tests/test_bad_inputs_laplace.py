@@ -482,7 +482,10 @@ CASES: dict[str, Case] = {
     ),
     "fit-dict-batches": Case(
         _fit_dict,
-        **_raises(TypeError, "dictionary batch.*dict_key_x='input_ids'"),
+        **_raises(
+            ValueError,
+            r"dictionary batch \(keys \['input_ids', 'labels'\]\) for a _DictNet.*SelectInput",
+        ),
         laplace_fit=True,
     ),
     "fit-asdl-fisher-kwargs": Case(
@@ -629,7 +632,7 @@ CASES: dict[str, Case] = {
     ),
     "backend-gradients-dict": Case(
         _with_fitted("ce", lambda la: la.backend.gradients({"input_ids": _x()}, _y())),
-        **_raises(TypeError, "dictionary batch"),
+        **_raises(ValueError, "dictionary batch.*SelectInput"),
     ),
     "laplace-call-bce": Case(
         _with_fitted("bce", lambda la: la(_x())), **_raises(ValueError, "1 for every input")
@@ -736,7 +739,16 @@ CASES: dict[str, Case] = {
         _with_fitted(
             "ce", lambda la: gridsearch_prior_precision(la, [{"x": _x(), "y": _y()}], grid=[1.0])
         ),
-        **_raises(TypeError, r"\(x, y\) pairs"),
+        **_raises(ValueError, r"no key dict_key_y='labels' \(keys: \['x', 'y'\]\)"),
+    ),
+    "gridsearch-dict-batches-plain-model": Case(
+        _with_fitted(
+            "ce",
+            lambda la: gridsearch_prior_precision(
+                la, [{"input_ids": _x(), "labels": _y()}], grid=[1.0]
+            ),
+        ),
+        **_raises(ValueError, r"gridsearch_prior_precision got a dictionary batch.*SelectInput"),
     ),
     "gridsearch-negative-grid": Case(
         _gs(grid=[1.0, -1.0]), **_raises(ValueError, "finite positive")

@@ -154,7 +154,9 @@ class BCEWithLogits(Loss):
 
 
 class CrossEntropy(Loss):
-    """Softmax cross-entropy with the classes on dim 1: logits ``[N, C, *]``, targets ``[N, *]``.
+    """Softmax cross-entropy, classes on dim 1: logits ``[N, C, *]``, class indices ``[N, *]``.
+
+    Label maps ``[N, 1, *]`` (MONAI's layout) are taken as ``[N, *]``.
 
     ``ℓ = Σ_positions w_y (−log softmax(f)_y)``; positions whose target is ``ignore_index`` add
     nothing. Per position the Hessian is the block ``w_y (diag p − p pᵀ)``, ``p = softmax(f)``;
@@ -197,14 +199,20 @@ class CrossEntropy(Loss):
                 f"{tuple(logits.shape)}"
             )
         expected = logits.shape[:1] + logits.shape[2:]
+        monai_layout = targets.dim() == logits.dim() > 2 and targets.shape[1] == 1
+        if monai_layout and targets.shape[:1] + targets.shape[2:] == expected:
+            targets = targets[:, 0]  # MONAI's label maps [N, 1, *spatial]
         if targets.shape != expected:
             raise ValueError(
-                f"cross-entropy targets must be class indices of shape {tuple(expected)} for "
-                f"logits {tuple(logits.shape)}; got {tuple(targets.shape)}"
+                f"cross-entropy targets must be class indices of shape {tuple(expected)} (or "
+                f"{(expected[0], 1, *expected[1:])}) for logits {tuple(logits.shape)}; got "
+                f"{tuple(targets.shape)}"
             )
         if targets.is_floating_point() or targets.is_complex():
             raise ValueError(
-                f"cross-entropy targets must be integer class indices, got dtype {targets.dtype}"
+                f"cross-entropy targets must be integer class indices, got dtype {targets.dtype} "
+                "(label maps loaded as floats, e.g. by MONAI's LoadImage: cast them with .long(), "
+                "or add monai.transforms.CastToTyped(keys='label', dtype=torch.long))"
             )
         _check_batch(logits, targets, "cross-entropy")
         C = logits.shape[1]
