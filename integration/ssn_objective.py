@@ -95,9 +95,11 @@ def reference(grid: list[Config]) -> Config:
     return max((c for c in grid if c.objective == "logsumexp"), key=lambda c: (c.rank, c.samples))
 
 
-def configs(quick: bool = False) -> list[Config]:
-    """The grid (quick: rank {0, 2} × M {1, 4} × both losses, 6 configurations)."""
-    ranks, samples = ((0, 2), (1, 4)) if quick else ((0, 1, 10), (1, 5, 20, 100))
+def configs(quick: bool = False, samples: tuple[int, ...] | None = None) -> list[Config]:
+    """The grid (quick: rank {0, 2} × M {1, 4} × both losses, 6 configurations); ``samples``
+    restricts M (e.g. ``(1, 20)`` when the budget allows no more)."""
+    ranks, all_samples = ((0, 2), (1, 4)) if quick else ((0, 1, 10), (1, 5, 20, 100))
+    samples = all_samples if samples is None else tuple(m for m in all_samples if m in samples)
     out = []
     for r in ranks:
         for m in samples:
@@ -425,6 +427,7 @@ def write_report(
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default=None, help="e.g. 0-4 (default 0-4; quick 0,1)")
+    parser.add_argument("--samples", default=None, help="restrict M, e.g. 1,20 (default all)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--cache", type=Path, default=None, help="default results/.cache/...")
     parser.add_argument("--out", type=Path, default=None, help="default integration/results")
@@ -433,7 +436,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     budget = QUICK if args.quick else ub.ConvergedBudget()
     seeds = lp._seeds(args.seeds or ("0,1" if args.quick else "0-4"))
-    grid = configs(args.quick)
+    samples = tuple(int(m) for m in args.samples.split(",")) if args.samples else None
+    grid = configs(args.quick, samples)
     tmp = Path(tempfile.mkdtemp(prefix="ssn-objective-")) if args.quick else None
     out = args.out or (tmp if tmp else RESULTS)
     root = args.cache or ((tmp / "cache") if tmp else RESULTS / ".cache" / "uncertainty")
