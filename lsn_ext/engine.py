@@ -68,12 +68,19 @@ class DiagBackpropResult:
         scales: For ``ggn_diagonal(..., estimator="db_calibrated")``: parameter name → the
             factor ``c_ℓ`` that rescaled DB's diagonal (``NaN`` where DB's trace is zero and the
             Monte-Carlo estimate was used instead); ``None`` otherwise.
+        mc_paths: For the Monte-Carlo estimator (``"mc"``, ``"db_calibrated"``): parameter
+            name → how its per-sample gradients were taken: ``"module"`` (captured at the leaf
+            module that holds it), ``"block '<path>'"`` (the enclosing module replayed whole
+            per sample, where the leaf's capture cannot serve) or ``"model"`` (the whole model
+            per sample with ``torch.func``). The estimate means the same on every path; only
+            the cost differs. ``None`` for DB.
     """
 
     loss: Tensor
     logits: Tensor
     diagonals: dict[str, Tensor]
     scales: dict[str, Tensor] | None = None
+    mc_paths: dict[str, str] | None = None
 
     @property
     def vector(self) -> Tensor:

@@ -45,21 +45,34 @@ Per-sample gradients ``J_nᵀ s_n`` are taken per parametric leaf module, from t
 ``x`` and the gradient ``g`` at its output: ``torch.func.vmap`` over the batch of one
 vector-Jacobian product of the module alone (no Python loop over samples, and no per-layer
 maths to register: any leaf module whose forward treats the samples independently works).
+Where that capture cannot serve a parameter (held by a module with submodules, such as MONAI
+UNETR's position embeddings or SwinUNETR's relative-position bias tables; a ``weight_norm`` or
+other parametrization; a leaf called on windows folded into dim 0 or on several inputs; a
+parameter used outside its module), the smallest enclosing module that is called on the batch
+is replayed whole per sample, or else the whole model (``vmap`` over the batch of ``vjp`` of
+``functional_call``, the vectors ``s`` as output cotangents, chunked over the batch). The
+estimate and its expectation are the same on every path; the result's ``mc_paths`` names the
+path per parameter. So Monte Carlo runs on any network whose forward treats the samples
+independently.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lsn_ext._functional import functional_call_all
 from lsn_ext.engine import (
     DiagBackpropResult,
     _bind,
@@ -96,8 +109,10 @@ def ggn_diagonal(
 
     Args:
         model: The network, as for :func:`~lsn_ext.diag_backprop` (``"db"`` and
-            ``"db_calibrated"``); ``"mc"`` runs on any model whose parameters belong to leaf
-            modules that treat the samples of the batch independently.
+            ``"db_calibrated"``); ``"mc"`` runs on any model whose forward treats the samples
+            of the batch independently (transformer U-Nets, parametrizations and instance-level
+            ``forward`` overrides included; see ``mc_paths`` of the result for how each
+            parameter's per-sample gradients were taken).
         inputs: The model input, or a sequence of inputs passed as ``model(*inputs)``.
         targets: Targets for ``loss``.
         loss: ``"ce"``, ``"bce"``, ``"mse"``, a :class:`~lsn_ext.Loss` or a ``torch.nn`` loss.
@@ -118,11 +133,11 @@ def ggn_diagonal(
         ValueError: An unknown estimator, ``mc_samples < 1``, ``shrinkage`` outside
             ``[0, 1]``, non-finite weights (naming the parameter) or inputs, an empty batch,
             bad targets, or anything :func:`~lsn_ext.diag_backprop` refuses.
-        NotImplementedError: For ``"mc"``, a parameter that is not owned by a leaf module, a
-            leaf module called with other than one tensor input of the batch's size, or dropout
-            in training mode in ``forward`` (``F.dropout(x, training=True)``). A parameter tied
-            across modules is supported: its per-sample gradients from all modules and calls
-            are summed before squaring.
+        NotImplementedError: For ``"mc"``, a forward that mixes the samples (naming the module,
+            the block or the model whose output or input depends on other samples), a replay
+            that torch cannot run per sample, or dropout in training mode in ``forward``
+            (``F.dropout(x, training=True)``). A parameter tied across modules is supported: its
+            per-sample gradients from all modules and calls are summed before squaring.
         TypeError: An integer input, or one whose dtype differs from the parameters'.
         FloatingPointError: Non-finite logits or diagonals (overflow), naming the parameter.
     """
@@ -146,7 +161,7 @@ def ggn_diagonal(
             # DB sees no curvature in this tensor: there is no shape to rescale.
             scales[name] = torch.full_like(trace, float("nan"))
             diagonals[name] = m
-    return DiagBackpropResult(db.loss, db.logits, diagonals, scales)
+    return DiagBackpropResult(db.loss, db.logits, diagonals, scales, mc.mc_paths)
 
 
 def check_estimator(estimator: str, mc_samples: int, shrinkage: float) -> None:
@@ -177,14 +192,31 @@ class _Bare(nn.Module):
 # Their per-sample replay runs the sample next to a copy of itself with a zero cotangent.
 _PAIRED_REPLAY: tuple[type[nn.Module], ...] = (nn.GroupNorm,)
 
+# A block or the whole model replayed per sample (torch.func) runs on chunks of samples whose
+# per-sample gradients hold at most about this many numbers (at least one sample per chunk).
+_REPLAY_NUMBERS = 2**24
+
+# How the per-sample gradients of a parameter were taken (``DiagBackpropResult.mc_paths``).
+_BY_MODULE, _BY_MODEL = "module", "model"
+
 
 class _Owner:
-    """A leaf module owning parameters to estimate: calls, per-sample gradients, the result."""
+    """A module owning parameters to estimate: calls, per-sample gradients, the result.
 
-    def __init__(self, module: nn.Module, path: str, names: dict[str, str]):
+    A leaf module (``block=False``) is replayed alone on each sample, from its captured input
+    and output gradient. A *block* (``block=True``) is the smallest enclosing module that the
+    capture can serve when the leaf cannot (parameters held by a module with submodules,
+    parametrizations, a leaf called on folded or several inputs): the whole block is replayed
+    per sample with :func:`torch.func.vmap` over :func:`torch.func.vjp` of
+    :func:`torch.func.functional_call`. ``names`` maps the parameter's path inside the module
+    to its name in the model.
+    """
+
+    def __init__(self, module: nn.Module, path: str, names: dict[str, str], block: bool = False):
         self.module, self.path, self.names = module, path, names  # own name → model name
+        self.block = block
         self.bare = _Bare(module)
-        self.paired = isinstance(module, _PAIRED_REPLAY)
+        self.paired = isinstance(module, _PAIRED_REPLAY) and not block
         self.calls = 0
         self.partial: dict[str, Tensor] | None = None
 
@@ -202,7 +234,43 @@ class _Owner:
 
             return vjp(f, params)[1](g_n)[0]
 
-        return {k[2:]: v for k, v in vmap(one)(x, g).items()}
+        # Some kernels refuse non-contiguous gradients (a permuted output: "grad_weight needs to
+        # be contiguous" in transposed convolutions after a rearrange).
+        return {k[2:]: v for k, v in _map(one, x.contiguous(), g.contiguous()).items()}
+
+    def block_grads(self, x: Tensor, g: Tensor, out: Tensor) -> dict[str, Tensor]:
+        """As :meth:`sample_grads` for a block, replayed whole per sample (chunked).
+
+        The replayed outputs must equal the block's output in the batched forward pass: a block
+        whose forward mixes the samples would fail here instead of giving a wrong estimate.
+        """
+        params = {f"m.{n}": self.module.get_parameter(n).detach() for n in self.names}
+
+        def one(x_n: Tensor, g_n: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            def f(p: dict[str, Tensor]) -> Tensor:
+                return functional_call_all(self.bare, p, (x_n.unsqueeze(0),))
+
+            y, pull = vjp(f, params)
+            return y.squeeze(0), pull(g_n.unsqueeze(0))[0]
+
+        def eager(x_n: Tensor, g_n: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+            def f(p: dict[str, Tensor]) -> Tensor:
+                return functional_call_all(self.bare, p, (x_n.unsqueeze(0),))
+
+            y, (grads,) = _eager_vjp(f, params, [g_n.unsqueeze(0)])
+            return y.squeeze(0), grads
+
+        size = _chunk(x.shape[0], sum(p.numel() for p in params.values()))
+        try:
+            y, grads = _map(one, x.contiguous(), g.contiguous(), chunk=size, eager=eager)
+        except Exception as err:
+            raise NotImplementedError(
+                f"the Monte-Carlo estimator could not replay the block {self.describe()} per "
+                "sample with torch.func.vmap (it replays the whole block because per-module "
+                f"capture cannot serve its parameters): {type(err).__name__}: {err}"
+            ) from err
+        _check_replay(y, out, f"block {self.describe()}")
+        return {k[2:]: v for k, v in grads.items()}
 
     def add(self, grads: dict[str, Tensor]) -> None:
         """Sum a call's per-sample gradients into this draw's."""
@@ -215,24 +283,108 @@ class _Owner:
         """``'path' (Class)`` for error messages."""
         return f"'{self.path}' ({type(self.module).__name__})"
 
+    def how(self) -> str:
+        """The entry of ``mc_paths`` for this owner's parameters."""
+        return f"block '{self.path}'" if self.block else _BY_MODULE
 
-def _flush(
-    owners: list[_Owner],
-    total_grads: dict[str, Tensor | None],
-    totals: dict[str, Tensor],
-) -> None:
-    """Check one draw's per-sample gradients against autograd's, then square and add them.
+
+def _map(
+    fn: Callable[..., Any],
+    *args: Any,
+    chunk: int | None = None,
+    eager: Callable[..., Any] | None = None,
+) -> Any:
+    """``vmap(fn)`` over dim 0 of every tensor in ``args``, or a loop where vmap fails.
+
+    The loop (over ``eager`` if given, an ordinary-autograd version of ``fn``, else ``fn``)
+    serves where vmap fails: a batching rule that torch lacks or gets wrong ("grad_weight needs
+    to be contiguous" from a transposed convolution on a 1×1 input), or non-reentrant
+    ``torch.utils.checkpoint``, whose saved-tensor hooks torch.func refuses. Both give the
+    same numbers.
+    """
+    try:
+        with warnings.catch_warnings():
+            # torch's note that an op runs through its slower generic batching fallback.
+            warnings.filterwarnings("ignore", message="There is a performance drop because")
+            return vmap(fn, chunk_size=chunk)(*args)
+    except RuntimeError:
+        pass
+    flat, spec = tree_flatten(args)
+    outs = []
+    for i in range(flat[0].shape[0]):
+        outs.append((eager or fn)(*tree_unflatten([t[i] for t in flat], spec)))
+    leaves = [tree_flatten(o)[0] for o in outs]
+    stacked = [torch.stack(column) for column in zip(*leaves, strict=True)]
+    return tree_unflatten(stacked, tree_flatten(outs[0])[1])
+
+
+def _eager_vjp(
+    f: Callable[[dict[str, Tensor]], Tensor], params: dict[str, Tensor], cotangents: list[Tensor]
+) -> tuple[Tensor, list[dict[str, Tensor]]]:
+    """``f(params)`` and its vector-Jacobian products by ordinary autograd (no torch.func)."""
+    with torch.enable_grad():
+        leaves = {k: p.detach().requires_grad_(True) for k, p in params.items()}
+        y = f(leaves)
+        results = []
+        for i, c in enumerate(cotangents):
+            grads = torch.autograd.grad(
+                y, list(leaves.values()), c, retain_graph=i < len(cotangents) - 1,
+                allow_unused=True,
+            )  # fmt: skip
+            results.append(
+                {
+                    k: torch.zeros_like(p) if gr is None else gr
+                    for (k, p), gr in zip(leaves.items(), grads, strict=True)
+                }
+            )
+    return y.detach(), results
+
+
+def _chunk(batch: int, numbers: int) -> int:
+    """Samples per replay chunk: per-sample gradients of ``numbers`` entries each."""
+    return max(1, min(batch, _REPLAY_NUMBERS // max(numbers, 1)))
+
+
+def _check_replay(replayed: Tensor, batched: Tensor, what: str) -> None:
+    """The per-sample replay must reproduce the batched forward (else samples are mixed)."""
+    replayed = replayed.detach()
+    if replayed.shape != batched.shape:
+        raise NotImplementedError(
+            f"the per-sample replay of {what} returned shape {tuple(replayed.shape)} where the "
+            f"batched forward gave {tuple(batched.shape)}: its forward does not treat the "
+            "samples of dim 0 independently"
+        )
+    eps = torch.finfo(batched.dtype).eps
+    scale = float(batched.abs().max()) if batched.numel() else 0.0
+    err = float((replayed - batched).abs().max()) if batched.numel() else 0.0
+    if not err <= math.sqrt(eps) * (1.0 + scale):
+        raise NotImplementedError(
+            f"the per-sample replay of {what} differs from the batched forward ({err:.3g} off "
+            f"at {scale:.3g}): its forward does not treat the samples independently (batch "
+            "statistics, training-mode normalisation, a state that changes between calls?). "
+            "Per-sample gradients, and with them the Monte-Carlo estimator, are undefined for "
+            "it; call model.eval(), or use estimator='db' where it has rules"
+        )
+
+
+def _gather(
+    owners: list[_Owner], total_grads: dict[str, Tensor | None]
+) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """One draw's per-sample gradients per parameter, and the parameters that were lost.
 
     The per-sample gradients of a parameter are summed over all its owners (a weight tied
-    across modules) and all their calls first, then squared: ``(Σ_modules J_nᵀ s_n)²``.
-    ``total_grads`` maps the model's parameter names to ``Σ_n J_nᵀ s_n`` from one ordinary
-    backward pass. A parameter that autograd reaches must have been captured, and its
-    per-sample gradients must sum to autograd's (to round-off relative to the larger of their
-    magnitude): a capture that did not fire, or fired for some of the module's calls only, would
-    otherwise give a silently wrong, too small estimate. Round-off in a tensor whose gradient is
-    structurally zero is relative to the largest gradient entry of the model in this draw; a
-    tensor whose gradients are all below ``√eps`` of that entry is not checked (its squares
-    are below ``eps`` of the draw's largest, and rounding can be amplified there).
+    across modules) and all their calls: ``Σ_modules J_nᵀ s_n``. ``total_grads`` maps the
+    model's parameter names to ``Σ_n J_nᵀ s_n`` from one ordinary backward pass. A parameter
+    that autograd reaches must have been captured, and its per-sample gradients must sum to
+    autograd's (to round-off relative to the larger of their magnitude): a capture that did not
+    fire, or fired for some of the module's calls only, would otherwise give a silently wrong,
+    too small estimate. Round-off in a tensor whose gradient is structurally zero is relative
+    to the largest gradient entry of the model in this draw; a tensor whose gradients are all
+    below ``√eps`` of that entry is not checked (its squares are below ``eps`` of the draw's
+    largest, and rounding can be amplified there).
+
+    Returns:
+        ``(per_sample, lost)``: ``{name: [N, *shape]}``, and ``{name: what went wrong}``.
     """
     floor = max((float(g.abs().max()) for g in total_grads.values() if g is not None), default=0.0)
     per_sample: dict[str, Tensor] = {}
@@ -244,12 +396,14 @@ def _flush(
                 g = owner.partial[own]
                 per_sample[name] = per_sample[name] + g if name in per_sample else g
         owner.partial = None
+    lost: dict[str, str] = {}
     for name, expected in total_grads.items():
         if expected is None or name not in where:
             continue
         got = per_sample.get(name)
         if got is None:
-            _lost(name, where[name], "none arrived")
+            lost[name] = "none arrived"
+            continue
         scale = max(float(got.abs().sum(0).max()), float(expected.abs().max()))
         err = float((got.sum(0) - expected).abs().max())
         eps = torch.finfo(expected.dtype).eps
@@ -259,23 +413,18 @@ def _flush(
             # the capture did, their squares are below eps of the draw's largest: no check.
             continue
         if not err <= max(1e3 * eps, 1e-9) * scale + 1e3 * eps * floor:
-            _lost(
-                name,
-                where[name],
-                f"they sum to a different gradient ({err:.3g} off at {scale:.3g})",
-            )
-    for name, g in per_sample.items():
-        sq = g.square().sum(0)
-        totals[name] = totals[name] + sq if name in totals else sq
+            lost[name] = f"they sum to a different gradient ({err:.3g} off at {scale:.3g})"
+    return per_sample, lost
 
 
-def _lost(name: str, owners: list[_Owner], what: str) -> None:
-    modules = " and ".join(o.describe() for o in owners)
+def _lost(model: nn.Module, name: str, owners: list[_Owner], what: str) -> None:
+    modules = " and ".join(o.describe() for o in owners if name in o.names.values())
     raise RuntimeError(
-        f"the Monte-Carlo estimator lost the per-sample gradients of '{name}' in {modules}: "
-        f"{what}, although the parameter reaches the output. Something after the module "
-        "bypasses the output it returned (an in-place operation on it?). Write that operation "
-        "out of place, or use estimator='db'"
+        f"the Monte-Carlo estimator lost the per-sample gradients of '{name}' in "
+        f"{modules or _describe(model, model)}: {what}, although the parameter reaches the "
+        "output and its capture worked in the first draw. Something after the module bypasses "
+        "the output it returned (an in-place operation on it?). Write that operation out of "
+        "place, or use estimator='db'"
     )
 
 
@@ -324,6 +473,10 @@ def _describe(model: nn.Module, module: nn.Module) -> str:
     return f"'{_path(model, module)}' ({type(module).__name__})"
 
 
+class _ReplanError(Exception):
+    """Raised inside the forward pass when a leaf's capture cannot serve: plan blocks first."""
+
+
 def _monte_carlo(
     model: nn.Module,
     inputs: Tensor | Sequence[Tensor],
@@ -333,24 +486,84 @@ def _monte_carlo(
     generator: torch.Generator | None,
     params: Sequence[Tensor] | None,
     noise: Tensor | None = None,
+    _force: Literal["model"] | None = None,
 ) -> DiagBackpropResult:
     """The Monte-Carlo GGN diagonal (see the module documentation).
 
     ``noise`` (``[S, *logits.shape]``) replaces the Rademacher vectors ``z``, for tests.
+    ``_force="model"`` takes every parameter's per-sample gradients through the whole model
+    (for tests of that path).
 
     Each call of an owning module taps its output with a tensor hook that receives ``g``, the
     gradient at the output. A view (InstanceNorm returns one) loses its hooks when an in-place
     operation follows (``LeakyReLU(inplace=True)``), so such an output is replaced by a copy
     that carries the hook. Every draw is checked: the per-sample gradients of each parameter
     must sum to the gradient of an ordinary backward pass.
+
+    Where that capture cannot serve a parameter, its per-sample gradients come from a larger
+    replay, in this order of preference (``mc_paths`` of the result says which, per parameter):
+
+    1. ``"module"``: the leaf module that holds it (the default, cheapest path);
+    2. ``"block '<path>'"``: the smallest enclosing module that is called with one tensor
+       whose dim 0 is the batch, replayed whole per sample (parameters of modules with
+       submodules, e.g. MONAI UNETR's position embeddings; parametrizations such as
+       ``weight_norm``; leaves called on folded or several inputs, e.g. SwinUNETR's window
+       attention, which folds the windows into dim 0);
+    3. ``"model"``: the whole model, per sample with ``torch.func`` (``vmap`` over the batch of
+       ``vjp`` of ``functional_call``, the vectors ``s = B z`` as output cotangents, chunked),
+       where no such block exists, and for a parameter whose capture failed in the first draw
+       (used outside its module's call, or bypassed by an in-place operation).
+
+    All three give the same per-sample gradients ``J_nᵀ s_n``, so the estimate and its
+    expectation are the same; only the cost differs (a block or the model costs about one
+    more forward and backward pass of it). The replays check that each sample's output equals
+    the batched forward's, and the one-off independence check covers their outputs.
     """
     names, chosen = _select_params(model, params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     _check_inputs(model, args)
-    owners = _owners(model, names, chosen)
+    register_adapters_for(model)
+    key = _signature(args, names)
+    replan = _force is not None or key in _REPLAN.get(model, set())
+    while True:
+        owners, whole = _plan(model, names, chosen, args, replan, _force)
+        try:
+            return _run(model, args, targets, loss_fn, mc_samples, generator, noise, names,
+                        chosen, owners, whole)  # fmt: skip
+        except _ReplanError:
+            if replan:
+                raise
+            _REPLAN.setdefault(model, set()).add(key)
+            replan = True
+
+
+# (model, input signature) whose leaves the capture cannot serve: plan blocks before the pass.
+_REPLAN: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+
+
+def _signature(args: tuple, names: list[str]) -> tuple:
+    shapes = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, Tensor))
+    return shapes, tuple(names)
+
+
+def _run(
+    model: nn.Module,
+    args: tuple,
+    targets: Tensor,
+    loss_fn: Loss,
+    mc_samples: int,
+    generator: torch.Generator | None,
+    noise: Tensor | None,
+    names: list[str],
+    chosen: list[Tensor],
+    owners: list[_Owner],
+    whole: list[str],
+) -> DiagBackpropResult:
+    """One Monte-Carlo pass with a given plan (see :func:`_monte_carlo`)."""
     handles: list[Any] = []
     taps: list[Any] = []  # the tensor hooks, removed after the backward passes
     state = {"batch": args[0].shape[0] if args and isinstance(args[0], Tensor) else None}
+    whole = list(whole)
 
     def check(module: nn.Module, _args: Any) -> None:
         try:
@@ -360,14 +573,19 @@ def _monte_carlo(
 
     def capture(owner: _Owner):
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
-            if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
+            x = args[0] if len(args) == 1 and isinstance(args[0], Tensor) else None
+            if kwargs or x is None:
+                if not owner.block:
+                    raise _ReplanError
                 raise NotImplementedError(
                     f"'{owner.path}' ({type(module).__name__}) was called with {len(args)} "
                     f"positional and {len(kwargs)} keyword arguments; the Monte-Carlo estimator "
-                    "takes per-sample gradients of leaf modules with one tensor input"
+                    "takes per-sample gradients of modules with one tensor input"
                 )
-            x = args[0].detach()
-            if not isinstance(out, Tensor) or x.shape[0] != state["batch"]:
+            x = x.detach()
+            if not isinstance(out, Tensor) or x.dim() == 0 or x.shape[0] != state["batch"]:
+                if not owner.block:
+                    raise _ReplanError
                 raise NotImplementedError(
                     f"'{owner.path}' ({type(module).__name__}) gets an input of shape "
                     f"{tuple(x.shape)} whose first dimension is not the batch "
@@ -377,12 +595,15 @@ def _monte_carlo(
                 return None
             tapped = out.clone() if out._is_view() else out
             owner.calls += 1
-            taps.append(tapped.register_hook(lambda g: owner.add(owner.sample_grads(x, g))))
+            if owner.block:
+                y = out.detach()
+                taps.append(tapped.register_hook(lambda g: owner.add(owner.block_grads(x, g, y))))
+            else:
+                taps.append(tapped.register_hook(lambda g: owner.add(owner.sample_grads(x, g))))
             return tapped if tapped is not out else None
 
         return hook
 
-    register_adapters_for(model)
     try:
         try:
             for module in {id(m): m for m in model.modules()}.values():
@@ -399,7 +620,7 @@ def _monte_carlo(
         check_logits(logits)
         f = logits.detach()
         _check_finite_logits(f)
-        _check_samples_independent(model, owners, args)
+        _check_samples_independent(model, owners, args, bool(whole))
         value = loss_fn.value(f, targets)
         if noise is None:
             shape = (mc_samples, *f.shape)
@@ -407,32 +628,269 @@ def _monte_carlo(
             noise = noise.to(f.dtype) * 2 - 1
         vectors = loss_fn.hessian_sqrt(f, targets, noise)
         totals: dict[str, Tensor] = {}
+        expected: dict[str, Tensor] = {}  # Σ over draws of the batch gradients, whole-model path
         for k in range(mc_samples):
             grads = torch.autograd.grad(
                 logits, chosen, vectors[k], retain_graph=k < mc_samples - 1, allow_unused=True
             )
-            if k == 0:
-                _check_called(owners, names, grads)
-            _flush(owners, dict(zip(names, grads, strict=True)), totals)
+            total_grads = dict(zip(names, grads, strict=True))
+            per_sample, lost = _gather(owners, total_grads)
+            if lost and k == 0:
+                # The capture cannot serve these: the whole model serves them, for all draws.
+                for owner in owners:
+                    owner.names = {o: n for o, n in owner.names.items() if n not in lost}
+                whole += [n for n in names if n in lost]
+            elif lost:
+                name, what = next(iter(lost.items()))
+                _lost(model, name, owners, what)
+            for name in whole:
+                g = total_grads[name]
+                if g is not None:
+                    expected[name] = expected[name] + g if name in expected else g
+            for name, g in per_sample.items():
+                if name in lost:
+                    continue
+                sq = g.square().sum(0)
+                totals[name] = totals[name] + sq if name in totals else sq
     finally:
         # The hooks hold the module inputs; removing them lets the graph go with the call.
         for tap in taps:
             tap.remove()
         for owner in owners:
             owner.partial = None
+    del logits
+    if whole:
+        totals.update(_whole_model(model, args, names, chosen, whole, vectors, f, expected))
     diagonals = {
         n: totals[n] / mc_samples if n in totals else torch.zeros_like(p)
         for n, p in zip(names, chosen, strict=True)
     }
     _check_finite_result(diagonals, f.dtype, "Monte-Carlo")
-    return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
+    paths = dict.fromkeys(whole, _BY_MODEL)
+    for owner in owners:
+        for n in owner.names.values():
+            paths.setdefault(n, owner.how())
+    mc_paths = {n: paths.get(n, _BY_MODULE) for n in names}
+    return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals, mc_paths=mc_paths)
+
+
+def _whole_model(
+    model: nn.Module,
+    args: tuple,
+    names: list[str],
+    chosen: list[Tensor],
+    whole: list[str],
+    vectors: Tensor,
+    logits: Tensor,
+    expected: dict[str, Tensor],
+) -> dict[str, Tensor]:
+    """``Σ_s Σ_n (J_nᵀ s_n)²`` for the parameters ``whole``, per sample through the whole model.
+
+    ``vmap`` over the samples of ``vjp`` of ``functional_call`` (the model's parameters swapped
+    for detached copies and restored: the model is left as found), with the Monte-Carlo vectors
+    ``s`` as the output cotangents, in chunks of samples (:data:`_REPLAY_NUMBERS`). Checked:
+    each sample's replayed output equals the batched logits, and the per-sample gradients sum
+    to the batch gradients of the draws (``expected``).
+    """
+    batch = logits.shape[0]
+    params = {n: p.detach() for n, p in zip(names, chosen, strict=True) if n in whole}
+    batched = [
+        i for i, a in enumerate(args)
+        if isinstance(a, Tensor) and a.dim() > 0 and a.shape[0] == batch
+    ]  # fmt: skip
+    draws = vectors.shape[0]
+
+    def one(xs: tuple[Tensor, ...], v: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        full = list(args)
+        for i, x_n in zip(batched, xs, strict=True):
+            full[i] = x_n.unsqueeze(0)
+
+        def f(p: dict[str, Tensor]) -> Tensor:
+            return functional_call_all(model, p, tuple(full))
+
+        y, pull = vjp(f, params)
+        grads = [pull(v[k].unsqueeze(0))[0] for k in range(draws)]
+        return y.squeeze(0), {n: torch.stack([g[n] for g in grads]) for n in params}
+
+    def eager(xs: tuple[Tensor, ...], v: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        full = list(args)
+        for i, x_n in zip(batched, xs, strict=True):
+            full[i] = x_n.unsqueeze(0)
+
+        def f(p: dict[str, Tensor]) -> Tensor:
+            return functional_call_all(model, p, tuple(full))
+
+        y, grads = _eager_vjp(f, params, [v[k].unsqueeze(0) for k in range(draws)])
+        return y.squeeze(0), {n: torch.stack([g[n] for g in grads]) for n in params}
+
+    size = _chunk(batch, draws * sum(p.numel() for p in params.values()))
+    squares: dict[str, Tensor] = {n: torch.zeros_like(p) for n, p in params.items()}
+    sums: dict[str, Tensor] = {n: torch.zeros_like(p) for n, p in params.items()}
+    for start in range(0, batch, size):
+        part = slice(start, start + size)
+        try:
+            y, grads = _map(
+                one,
+                tuple(args[i][part] for i in batched),
+                vectors[:, part].movedim(0, 1),
+                eager=eager,
+            )
+        except NotImplementedError:
+            raise
+        except Exception as err:
+            raise NotImplementedError(
+                "the Monte-Carlo estimator takes the per-sample gradients of "
+                f"{_few(list(params))} through the whole model with torch.func (vmap over the "
+                "samples of vjp of functional_call), because per-module capture cannot serve "
+                f"them, and that replay failed: {type(err).__name__}: {err}"
+            ) from err
+        _check_replay(y, logits[part], "the whole model")
+        for n, g in grads.items():
+            g = g.detach()
+            squares[n] += g.square().sum((0, 1))
+            sums[n] += g.sum((0, 1))
+    floor = max((float(g.abs().max()) for g in expected.values()), default=0.0)
+    for n, got in sums.items():
+        want = expected.get(n, torch.zeros_like(got))
+        eps = torch.finfo(got.dtype).eps
+        scale = max(float(got.abs().max()), float(want.abs().max()))
+        err = float((got - want).abs().max())
+        if scale > math.sqrt(eps) * floor and not err <= 1e3 * eps * (scale + floor) + 1e-9 * scale:
+            raise RuntimeError(
+                f"the per-sample gradients of '{n}' through the whole model sum to a different "
+                f"gradient than the batch's ({err:.3g} off at {scale:.3g}): the model's forward "
+                "does not treat the samples independently, or differs between calls"
+            )
+    return squares
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(f"'{n}'" for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _probe(model: nn.Module, args: tuple) -> dict[int, bool]:
+    """Per module: whether every call takes one tensor whose dim 0 is the batch (no grad pass)."""
+    batch = args[0].shape[0] if args and isinstance(args[0], Tensor) else None
+    ok: dict[int, bool] = {}
+
+    def hook(module: nn.Module, hargs: tuple, kwargs: dict, out: Any) -> None:
+        x = hargs[0] if len(hargs) == 1 and not kwargs else None
+        fine = (
+            isinstance(x, Tensor) and x.dim() > 0 and x.shape[0] == batch
+            and isinstance(out, Tensor) and out.dim() > 0 and out.shape[0] == batch
+        )  # fmt: skip
+        ok[id(module)] = ok.get(id(module), True) and fine
+
+    handles = [
+        m.register_forward_hook(hook, with_kwargs=True)
+        for m in {id(m): m for m in model.modules()}.values()
+        if m is not model
+    ]
+    try:
+        with torch.no_grad(), _RandomOpGuard(model):
+            model(*args)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ok
+
+
+def _plan(
+    model: nn.Module,
+    names: list[str],
+    chosen: list[Tensor],
+    args: tuple,
+    replan: bool,
+    force: str | None,
+) -> tuple[list[_Owner], list[str]]:
+    """Owners (leaf modules and blocks) and the parameters served by the whole model.
+
+    A parameter tied across modules (``b.weight = a.weight``) has several owners; their
+    per-sample gradients are summed before squaring (:func:`_gather`). Without ``replan``, and
+    when every owner is a leaf without parametrizations, all owners are leaves and nothing is
+    probed (the capture raises :class:`_ReplanError` if a leaf turns out to be called on folded or
+    several inputs). Otherwise one forward pass without grad finds which modules are called
+    with one tensor whose dim 0 is the batch, and each parameter goes to its leaf if that can
+    serve, else to the smallest such enclosing module (a block), else to the whole model.
+    """
+    wanted = {id(p): n for n, p in zip(names, chosen, strict=True)}
+    if force == "model":
+        return [], list(names)
+    held = []  # (path, module, {own name: model name})
+    for path, module in model.named_modules():
+        own = {n: wanted[id(p)] for n, p in module._parameters.items() if id(p) in wanted}
+        if own:
+            held.append((path, module, own))
+    simple = all(not m._modules and not parametrize.is_parametrized(m) for _, m, _ in held)
+    if simple and not replan:
+        return [_Owner(m, path or "<model>", own) for path, m, own in held], []
+    feasible = _probe(model, args)
+    by_path = dict(model.named_modules())
+
+    # Modules inside a parametrization (weight_norm's _WeightNorm, …) are not blocks.
+    inside = {
+        id(m)
+        for pm in model.modules()
+        if parametrize.is_parametrized(pm)
+        for m in pm.parametrizations.modules()
+    }
+
+    def home(path: str, module: nn.Module) -> str | None:
+        """``path`` itself for a serviceable leaf, an enclosing block's path, or None (model)."""
+        odd = bool(module._modules) or parametrize.is_parametrized(module) or id(module) in inside
+        if module is not model and not odd and feasible.get(id(module), True):
+            return path
+        p = path if module._modules else _parent(path)
+        while p:
+            m = by_path[p]
+            if feasible.get(id(m)) is True and id(m) not in inside:
+                return p
+            p = _parent(p)
+        return None
+
+    leaves: list[tuple[str, nn.Module, dict[str, str]]] = []
+    blocks: set[str] = set()
+    whole: set[str] = set()
+    for path, module, own in held:
+        h = home(path, module)
+        if h is None:
+            whole.update(own.values())
+        elif h == path and not module._modules:
+            leaves.append((path, module, own))
+        else:
+            blocks.add(h)
+    blocks = {b for b in blocks if not any(b.startswith(o + ".") for o in blocks)}
+    owners = []
+    for b in sorted(blocks):
+        module = by_path[b]
+        own = {}
+        for rel, p in module.named_parameters():
+            if id(p) in wanted and wanted[id(p)] not in whole:
+                own[rel] = wanted[id(p)]
+        owners.append(_Owner(module, b, own, block=True))
+    for path, module, own in leaves:
+        if any(path.startswith(b + ".") for b in blocks):
+            continue
+        own = {k: n for k, n in own.items() if n not in whole}
+        if own:
+            owners.append(_Owner(module, path or "<model>", own))
+    for owner in owners:
+        owner.names = {k: n for k, n in owner.names.items() if n not in whole}
+    return [o for o in owners if o.names], [n for n in names if n in whole]
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
 
 
 # (model, input shapes and dtypes) already checked by _check_samples_independent.
 _INDEPENDENT: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
 
 
-def _check_samples_independent(model: nn.Module, owners: list[_Owner], args: tuple) -> None:
+def _check_samples_independent(
+    model: nn.Module, owners: list[_Owner], args: tuple, whole: bool = False
+) -> None:
     """Verify once per model and input shape that dim 0 of every owner's input is the batch.
 
     Per-sample gradients split each owning module's input along dim 0. A module whose input
@@ -440,16 +898,22 @@ def _check_samples_independent(model: nn.Module, owners: list[_Owner], args: tup
     tensor with ``L = N``) would be split wrongly, and the sums the per-draw check compares
     still agree: a silently biased estimate. Here one forward and one backward pass (no
     forward-mode AD needed) measure whether any row ``j ≠ 0`` of an owner's input depends on
-    sample 0 of the model's inputs; if so the module is named.
+    sample 0 of the model's inputs; if so the module is named. A block (replayed whole) and,
+    with ``whole``, the model itself are also checked at their outputs: a block that mixes the
+    samples inside would otherwise pass.
 
     Raises:
         NotImplementedError: Naming the module whose dim 0 mixes samples.
     """
     tensors = [a for a in args if isinstance(a, Tensor) and a.is_floating_point()]
     batch = tensors[0].shape[0] if tensors else 0
-    if batch < 2 or not owners:
+    if batch < 2 or not (owners or whole):
         return
-    key = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, Tensor))
+    key = (
+        tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, Tensor)),
+        tuple((o.path, o.block) for o in owners),
+        whole,
+    )
     done = _INDEPENDENT.setdefault(model, set())
     if key in done:
         return
@@ -458,31 +922,41 @@ def _check_samples_independent(model: nn.Module, owners: list[_Owner], args: tup
         else a
         for a in args
     ]  # fmt: skip
-    seen: list[tuple[_Owner, Tensor]] = []
+    seen: list[tuple[str, str, Tensor]] = []  # (who, "input"/"output", tensor)
 
     def record(owner: _Owner):
         def hook(module: nn.Module, hook_args: tuple) -> None:
             if hook_args and isinstance(hook_args[0], Tensor) and hook_args[0].requires_grad:
-                seen.append((owner, hook_args[0]))
+                seen.append((owner.describe(), "input", hook_args[0]))
+
+        return hook
+
+    def record_output(owner: _Owner):
+        def hook(module: nn.Module, hook_args: tuple, out: Any) -> None:
+            if isinstance(out, Tensor) and out.requires_grad:
+                seen.append((f"the block {owner.describe()}", "output", out))
 
         return hook
 
     handles = [o.module.register_forward_pre_hook(record(o)) for o in owners]
+    handles += [o.module.register_forward_hook(record_output(o)) for o in owners if o.block]
     try:
         with torch.enable_grad(), _RandomOpGuard(model):
-            model(*leaves)
+            out = model(*leaves)
     finally:
         for handle in handles:
             handle.remove()
+    if whole and isinstance(out, Tensor) and out.requires_grad:
+        seen.append(("the model", "output", out))
     inputs = [a for a in leaves if isinstance(a, Tensor) and a.requires_grad]
     generator = torch.Generator(device=inputs[0].device).manual_seed(0)
 
-    def leak(pairs: list[tuple[_Owner, Tensor]]) -> bool:
+    def leak(pairs: list[tuple[str, str, Tensor]]) -> bool:
         terms = [
             (x[1:] * torch.randn(x[1:].shape, generator=generator, dtype=x.dtype, device=x.device))
             .sum()
-            for _, x in pairs
-            if x.shape[0] == batch
+            for _, _, x in pairs
+            if x.dim() > 0 and x.shape[0] == batch
         ]  # fmt: skip
         if not terms:
             return False
@@ -490,52 +964,25 @@ def _check_samples_independent(model: nn.Module, owners: list[_Owner], args: tup
         return any(g is not None and bool((g[0] != 0).any()) for g in grads)
 
     if leak(seen):
-        bad = next(o for o, x in seen if leak([(o, x)]))
+        who, kind, _ = next(s for s in seen if leak([s]))
+        if kind == "input":
+            raise NotImplementedError(
+                f"{who} gets inputs whose dim 0 has the batch's size ({batch}) but "
+                "mixes the samples: other rows of it depend on sample 0 (a sequence-first "
+                "[L, N, E] tensor with L = N?). The Monte-Carlo estimator splits a module's "
+                "input along dim 0 into samples: give the module batch-first inputs (e.g. "
+                "nn.MultiheadAttention(..., batch_first=True)), or use estimator='db' where it "
+                "has rules"
+            )
         raise NotImplementedError(
-            f"{bad.describe()} gets inputs whose dim 0 has the batch's size ({batch}) but "
-            "mixes the samples: other rows of it depend on sample 0 (a sequence-first "
-            "[L, N, E] tensor with L = N?). The Monte-Carlo estimator splits a module's input "
-            "along dim 0 into samples: give the module batch-first inputs (e.g. "
-            "nn.MultiheadAttention(..., batch_first=True)), or use estimator='db' where it "
-            "has rules"
+            f"{who} mixes the samples: other rows of its output depend on sample 0 of the "
+            "input (batch statistics, training-mode normalisation, attention across dim 0?). "
+            "The Monte-Carlo estimator replays it per sample (per-module capture cannot serve "
+            "its parameters), which needs a forward that treats the samples independently; "
+            "call model.eval(), or use estimator='db' where it has rules"
         )
     done.add(key)
 
 
 def _path(model: nn.Module, module: nn.Module) -> str:
     return next((n or "<model>" for n, m in model.named_modules() if m is module), "?")
-
-
-def _owners(model: nn.Module, names: list[str], chosen: list[Tensor]) -> list[_Owner]:
-    """The leaf modules that own the chosen parameters; refuse parameters of non-leaf modules.
-
-    A parameter tied across modules (``b.weight = a.weight``) has several owners; their
-    per-sample gradients are summed before squaring (:func:`_flush`).
-    """
-    wanted = {id(p): n for n, p in zip(names, chosen, strict=True)}
-    owners = []
-    for path, module in model.named_modules():
-        own = {n: wanted[id(p)] for n, p in module._parameters.items() if id(p) in wanted}
-        if not own:
-            continue
-        if module._modules:
-            raise NotImplementedError(
-                f"parameter '{next(iter(own.values()))}' belongs to '{path or '<model>'}' "
-                f"({type(module).__name__}), which has submodules: the Monte-Carlo estimator "
-                "takes per-sample gradients per leaf module. Move the parameter into a leaf "
-                "module of its own"
-            )
-        owners.append(_Owner(module, path or "<model>", own))
-    return owners
-
-
-def _check_called(owners: list[_Owner], names: list[str], grads: Sequence[Tensor | None]):
-    """A parameter with a gradient must have been seen through its module's forward."""
-    called = {name for o in owners if o.calls for name in o.names.values()}
-    for name, g in zip(names, grads, strict=True):
-        if g is not None and name not in called:
-            raise NotImplementedError(
-                f"parameter '{name}' influences the output without its module being called "
-                "(used directly in another module's forward?); the Monte-Carlo estimator needs "
-                "every parameter to act through its own leaf module"
-            )

@@ -142,10 +142,12 @@ def test_monte_carlo_through_a_function_is_unbiased():
     assert all(bool((v >= 0).all()) for v in exact.values())
 
 
-def test_monte_carlo_names_a_parameter_outside_leaf_modules():
+def test_monte_carlo_serves_a_parameter_outside_leaf_modules_through_the_whole_model():
+    net = _ScaledNet().eval()
     x, y = _batch()
-    with pytest.raises(NotImplementedError, match=r"parameter 'w' belongs to '<model>'"):
-        lsn_ext.ggn_diagonal(_ScaledNet().eval(), x, y, "ce", estimator="mc")
+    res = lsn_ext.ggn_diagonal(net, x, y, "ce", estimator="mc")
+    assert res.mc_paths["w"] == "model"
+    assert res.mc_paths["conv.weight"] == "module"
 
 
 def test_non_reentrant_checkpointing_works_with_monte_carlo():

@@ -217,23 +217,54 @@ def test_mc_equals_dense_reference_after_in_place_ops():
 
 
 @pytest.mark.parametrize("fault", ["hook-never-fires", "wrong-per-sample-gradients"])
-def test_mc_refuses_to_return_a_lost_capture(fault, monkeypatch):
-    """If per-sample gradients go missing, the estimator raises instead of returning zeros."""
+def test_mc_serves_a_capture_lost_in_the_first_draw_through_the_whole_model(fault, monkeypatch):
+    """Per-sample gradients that go missing in the first draw are taken through the whole model
+    (``mc_paths`` says so) instead of being returned as zeros or a wrong estimate."""
+    real_add, real_grads = lsn_ext.estimators._Owner.add, lsn_ext.estimators._Owner.sample_grads
+
+    def add(self, grads):
+        if self.path != "0":
+            real_add(self, grads)
+
+    def halved(self, x, g):
+        grads = real_grads(self, x, g)
+        return {k: v / 2 for k, v in grads.items()} if self.path == "0" else grads
+
     if fault == "hook-never-fires":
-        monkeypatch.setattr(lsn_ext.estimators._Owner, "add", lambda self, grads: None)
-        match = r"lost the per-sample gradients of '0.weight' in '0' \(Conv2d\): none arrived"
+        monkeypatch.setattr(lsn_ext.estimators._Owner, "add", add)
     else:
-        real = lsn_ext.estimators._Owner.sample_grads
-
-        def halved(self, x, g):
-            return {k: v / 2 for k, v in real(self, x, g).items()}
-
         monkeypatch.setattr(lsn_ext.estimators._Owner, "sample_grads", halved)
-        match = "lost the per-sample gradients of '0.weight'.*sum to a different gradient"
     model = _norm_inplace().eval()
     x = torch.randn(2, 1, 4, 4)
+    y = torch.rand(2, 1, 4, 4).round()
+    noise = torch.randn(2, 2, 1, 4, 4)
+    res = _monte_carlo(model, x, y, BCEWithLogits(), 2, None, None, noise)
+    # '0.bias' has a zero gradient (the instance norm removes it): a wrong per-sample value of
+    # it is not checked, a missing one is.
+    lost = ["0.weight", "0.bias"] if fault == "hook-never-fires" else ["0.weight"]
+    assert res.mc_paths == {k: "model" if k in lost else "module" for k in res.diagonals}
+    want = _dense_mc(model, x, y, BCEWithLogits(), noise)
+    for k in want:
+        torch.testing.assert_close(res.diagonals[k], want[k], atol=1e-12, rtol=1e-9)
+
+
+def test_mc_refuses_a_capture_lost_after_the_first_draw(monkeypatch):
+    real = lsn_ext.estimators._Owner.sample_grads
+    calls = []
+
+    def halved_later(self, x, g):
+        calls.append(self.path)
+        grads = real(self, x, g)
+        return {k: v / 2 for k, v in grads.items()} if len(calls) > 3 else grads
+
+    monkeypatch.setattr(lsn_ext.estimators._Owner, "sample_grads", halved_later)
+    model = _norm_inplace().eval()
+    x = torch.randn(2, 1, 4, 4)
+    match = r"gradients of '0.weight' in '0' \(Conv2d\): they sum to a different .*first draw"
     with pytest.raises(RuntimeError, match=match):
-        lsn_ext.ggn_diagonal(model, x, torch.rand(2, 1, 4, 4).round(), "bce", estimator="mc")
+        lsn_ext.ggn_diagonal(
+            model, x, torch.rand(2, 1, 4, 4).round(), "bce", estimator="mc", mc_samples=2
+        )
 
 
 def test_mc_handles_group_norm_on_a_one_by_one_map():
@@ -466,11 +497,71 @@ class _Kwargs(nn.Module):
         return self.lin(x, x)
 
 
+class _MixingModel(nn.Module):
+    """A parameter of the model itself, and a forward that mixes the samples (batch centring)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 1)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        h = self.conv(x)
+        return (h - h.mean(0, keepdim=True)) * self.scale
+
+
+class _MixingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 1, 1)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        h = self.conv(x)
+        return h - h.mean(0, keepdim=True) * self.scale
+
+
+# Per-module capture cannot serve these; the block or whole-model replay (torch.func) does.
+FALLBACKS = {
+    "non-leaf-parameter": (_NonLeafParameter, (2, 1, 3, 3), {"scale": "model"}),
+    "functional-use": (_Functional, (2, 1, 3, 3), {"b.weight": "model", "a.weight": "module"}),
+    "folded-batch": (_Folded, (2, 2, 3), {"lin.weight": "model", "lin.bias": "model"}),
+    "two-inputs": (_Kwargs, (2, 2), {"lin.weight": "model"}),
+    "block-with-own-parameter": (
+        lambda: nn.Sequential(
+            nn.Conv2d(1, 1, 1), _NonLeafParameter(), nn.Tanh(), nn.Conv2d(1, 1, 1)
+        ),
+        (3, 1, 3, 3),
+        {"1.scale": "block '1'", "1.conv.weight": "block '1'", "0.weight": "module"},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", FALLBACKS)
+def test_mc_falls_back_to_block_or_whole_model_replay(name):
+    """Equal to the dense per-sample reference with the same vectors, and says which path."""
+    build, shape, paths = FALLBACKS[name]
+    model = build()
+    x = torch.randn(shape)
+    out_shape = model(x).shape
+    y = torch.randn(out_shape)
+    noise = torch.randn(2, *out_shape)
+    res = _monte_carlo(model, x, y, MSE(), 2, None, None, noise)
+    want = _dense_mc(model, x, y, MSE(), noise)
+    for k in want:
+        torch.testing.assert_close(res.diagonals[k], want[k], atol=1e-12, rtol=1e-9)
+    for k, how in paths.items():
+        assert res.mc_paths[k] == how, (k, res.mc_paths)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
 ERRORS = {
-    "non-leaf-parameter": (_NonLeafParameter, (2, 1, 3, 3), "belongs to '<model>'"),
-    "functional-use": (_Functional, (2, 1, 3, 3), "parameter 'b.weight' influences"),
-    "folded-batch": (_Folded, (2, 2, 3), r"shape \(4, 3\) whose first dimension"),
-    "two-inputs": (_Kwargs, (2, 2), "with 2 positional"),
+    "model-mixes-samples": (_MixingModel, (2, 1, 3, 3), r"the model mixes the samples"),
+    "block-mixes-samples": (
+        lambda: nn.Sequential(_MixingBlock(), nn.Conv2d(1, 1, 1)),
+        (2, 1, 3, 3),
+        r"the block '0' \(_MixingBlock\) mixes the samples",
+    ),
 }
 
 
