@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ pro
     from lsn_ext.rules import get_rule, register_rule, supported_modules
     from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss
     from lsn_ext.rules.ssn_likelihood import ExpectedBCE, LogsumexpBCE
+    from lsn_ext.sliding import SlidingWindow
     from lsn_ext.vi import GaussianMixture, StructuredGaussian, VariationalPosterior
 
 __version__ = "0.1.0.dev0"
@@ -78,6 +79,7 @@ _LAZY: dict[str, str] = {
     # rules and losses
     "SelectInput": "lsn_ext.outputs",
     "SelectOutput": "lsn_ext.outputs",
+    "SlidingWindow": "lsn_ext.sliding",
     "get_rule": "lsn_ext.rules",
     "register_rule": "lsn_ext.rules",
     "supported_modules": "lsn_ext.rules",
@@ -110,6 +112,7 @@ __all__ = [
     "SegmentationPrediction",
     "SelectInput",
     "SelectOutput",
+    "SlidingWindow",
     "StructuredGaussian",
     "TopK",
     "VariationalPosterior",

@@ -83,6 +83,7 @@ def linearized_tangents(
     mean: Tensor,
     x: Tensor,
     deltas: Iterator[Tensor],
+    run: Callable[[Callable[[Tensor], Tensor], Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Iterator[Tensor]]:
     """``f(x; θ*)`` and the products ``J(x) δ_s`` for a stream of parameter offsets.
 
@@ -94,6 +95,9 @@ def linearized_tangents(
         mean: ``θ*`` ``[P]``, the linearisation point (the posterior mean).
         x: Inputs ``[N, C_in, *spatial]``.
         deltas: Offsets ``δ_s`` ``[P]`` (e.g. posterior draws minus the mean).
+        run: How the network is applied to ``x``: ``run(network, x)`` with ``network`` the
+            model at the given parameters as a function of its input (e.g. a
+            :class:`~lsn_ext.SlidingWindow`); ``None`` calls it on ``x`` directly.
 
     Returns:
         ``(f*, tangents)``: the logits at ``θ*`` ``[N, C, *]``, and a lazy iterator over
@@ -110,7 +114,8 @@ def linearized_tangents(
     def f(*theta: Tensor) -> Tensor:
         tensors = dict(zip(names, theta, strict=True))
         tensors.update({n: b.clone() for n, b in buffers.items()})
-        return functional_call_all(model, tensors, (x,))
+        network = lambda inputs: functional_call_all(model, tensors, (inputs,))  # noqa: E731
+        return network(x) if run is None else run(network, x)
 
     primals = split(mean)
     with torch.no_grad():

@@ -57,6 +57,7 @@ from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
 from lsn_ext.glm import linearized_tangents, sample_chunks
 from lsn_ext.outputs import SelectInput, plain_tensor
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
+from lsn_ext.sliding import SlidingWindow
 
 __all__ = [
     "DiagBackprop",
@@ -880,15 +881,22 @@ class _Moments:
 
 
 def _nn_logits(
-    la: Any, model: nn.Module, named: list[tuple[str, Tensor]], x: Tensor, n: int, generator: Any
+    la: Any,
+    model: nn.Module,
+    named: list[tuple[str, Tensor]],
+    x: Tensor,
+    n: int,
+    generator: Any,
+    window: SlidingWindow | None = None,
 ) -> Iterator[Tensor]:
-    """Logits of the network at ``n`` posterior draws (the sampling predictive)."""
+    """Logits of the network at ``n`` posterior draws (sampling predictive; ``window``: blended)."""
     buffers = dict(model.named_buffers())
     for chunk in sample_chunks(la.sample, n, la.n_params, generator):
         for theta in chunk:
             params = unflatten(named, theta)
             params.update({n: b.clone() for n, b in buffers.items()})
-            yield functional_call_all(model, params, (x,))
+            network = lambda inputs, p=params: functional_call_all(model, p, (inputs,))  # noqa: E731
+            yield network(x) if window is None else plain_tensor(window(network, x))
 
 
 def _posterior_mean(la: Any, named: list[tuple[str, Tensor]]) -> Tensor:
@@ -911,7 +919,13 @@ def _posterior_mean(la: Any, named: list[tuple[str, Tensor]]) -> Tensor:
 
 
 def glm_logits(
-    la: Any, model: nn.Module, named: list[tuple[str, Tensor]], x: Tensor, n: int, generator: Any
+    la: Any,
+    model: nn.Module,
+    named: list[tuple[str, Tensor]],
+    x: Tensor,
+    n: int,
+    generator: Any,
+    window: SlidingWindow | None = None,
 ) -> tuple[Tensor, Iterator[Tensor]]:
     """``f(x; θ*)`` and the products ``J δ_s`` of ``⌈n/2⌉`` posterior draws ``θ* + δ_s``.
 
@@ -925,7 +939,8 @@ def glm_logits(
         for chunk in sample_chunks(la.sample, pairs, la.n_params, generator)
         for theta in chunk
     )
-    return linearized_tangents(model, [n for n, _ in named], mean, x, deltas)
+    run = None if window is None else lambda net, inputs: plain_tensor(window(net, inputs))
+    return linearized_tangents(model, [n for n, _ in named], mean, x, deltas, run)
 
 
 def _bridge_maps(link: str, f_mean: Tensor, f_second: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -990,6 +1005,7 @@ def predict(
     pred_type: Literal["glm", "nn"] = "nn",
     link_approx: Literal["mc", "probit", "bridge"] = "mc",
     generator: torch.Generator | None = None,
+    window: SlidingWindow | None = None,
 ) -> SegmentationPrediction:
     r"""Per-pixel predictive of a fitted Laplace approximation (or any Gaussian posterior).
 
@@ -1039,6 +1055,10 @@ def predict(
         link_approx: ``"mc"`` (default), ``"probit"`` or ``"bridge"``; regression takes
             ``"mc"`` only (the maps are the output mean and variance).
         generator: Random generator for reproducible samples.
+        window: Evaluate every draw by sliding-window inference over ``x``
+            (:class:`~lsn_ext.SlidingWindow`, MONAI's blending; for volumes larger than one
+            forward pass allows); the maps are those of the blended logits of each draw, see
+            :mod:`lsn_ext.sliding`. ``None``: the network runs on ``x`` whole.
 
     Returns:
         The predictive maps (:class:`SegmentationPrediction`), with ``logit_mean`` and
@@ -1071,11 +1091,11 @@ def predict(
     full = link_approx == "bridge" and link == "softmax"
     stats = _Moments(link, full)
     if pred_type == "nn":
-        for f in _nn_logits(la, model, named, x, n_samples, generator):
+        for f in _nn_logits(la, model, named, x, n_samples, generator, window):
             stats.add(_check_logits(f, link), logits=True)
         f_mean, f_second = stats.f_mean, stats.f_m2 / (n_samples - 1)
     else:
-        f_mean, tangents = glm_logits(la, model, named, x, n_samples, generator)
+        f_mean, tangents = glm_logits(la, model, named, x, n_samples, generator, window)
         _check_logits(f_mean, link)
         f_second, products = torch.zeros_like(_outer(f_mean) if full else f_mean), 0
         for t in tangents:
