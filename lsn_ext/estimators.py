@@ -63,6 +63,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -187,6 +188,60 @@ class _Bare(nn.Module):
         return self.m.forward(x)
 
 
+_CONV_DIMS: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+
+
+def _direct_sample_grads(
+    module: nn.Module, names: dict[str, str], x: Tensor, g: Tensor
+) -> dict[str, Tensor] | None:
+    """Per-sample gradients of a plain convolution or ``nn.Linear`` without replaying it.
+
+    The weight gradient of one sample needs only its input and output gradient: for a
+    convolution ``aten.convolution_backward`` with only the weight (and bias) outputs, mapped
+    over the samples; for ``nn.Linear`` ``g_nᵀ x_n`` summed over the other axes. The replay of
+    :meth:`_Owner.sample_grads` also runs the module's forward again; these do not. ``None``
+    for any other module, a module whose ``forward`` was replaced on the instance, a
+    convolution with another padding mode or a padding string, and where the mapped kernel
+    fails (the caller then replays the module).
+
+    Returns:
+        ``{own name: [N, *shape]}`` for the names in ``names``, or ``None``.
+    """
+    if "forward" in vars(module):  # a forward replaced on the instance: replay that one
+        return None
+    want_w, want_b = "weight" in names, "bias" in names
+    if type(module) is nn.Linear:
+        out: dict[str, Tensor] = {}
+        if want_w:
+            out["weight"] = torch.einsum("n...o,n...i->noi", g, x)
+        if want_b:
+            out["bias"] = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
+        return out
+    dims = _CONV_DIMS.get(type(module))
+    if dims is None or module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return None
+    wanted = [n for n in ("weight", "bias") if n in names]
+    if not wanted:
+        return {}
+    w = module.weight.detach()
+    has_bias = module.bias is not None
+    mask = [False, want_w, want_b and has_bias]
+
+    def one(x_n: Tensor, g_n: Tensor) -> tuple[Tensor, ...]:
+        _, gw, gb = torch.ops.aten.convolution_backward(
+            g_n.unsqueeze(0), x_n.unsqueeze(0), w, [w.shape[0]] if has_bias else None,
+            module.stride, module.padding, module.dilation, False, [0] * dims, module.groups,
+            mask,
+        )  # fmt: skip
+        return tuple(t for t, n in ((gw, "weight"), (gb, "bias")) if n in wanted)
+
+    try:
+        grads = vmap(one)(x.contiguous(), g.contiguous())
+    except RuntimeError:  # a kernel's batching limit ("grad_weight must be contiguous"): replay
+        return None
+    return dict(zip(wanted, grads, strict=True))
+
+
 # Modules that torch refuses to run on a batch of one in some shapes although they treat samples
 # independently (GroupNorm over one value per group: "Expected more than 1 value per channel").
 # Their per-sample replay runs the sample next to a copy of itself with a zero cotangent.
@@ -217,11 +272,21 @@ class _Owner:
         self.block = block
         self.bare = _Bare(module)
         self.paired = isinstance(module, _PAIRED_REPLAY) and not block
+        self.direct = not self.paired and not block  # try _direct_sample_grads
         self.calls = 0
         self.partial: dict[str, Tensor] | None = None
 
     def sample_grads(self, x: Tensor, g: Tensor) -> dict[str, Tensor]:
-        """``J_nᵀ g_n`` w.r.t. this module's parameters, per sample: ``{name: [N, *shape]}``."""
+        """``J_nᵀ g_n`` w.r.t. this module's parameters, per sample: ``{name: [N, *shape]}``.
+
+        Plain convolutions and ``nn.Linear`` take their weight gradients directly
+        (:func:`_direct_sample_grads`); other modules are replayed per sample.
+        """
+        if self.direct:
+            direct = _direct_sample_grads(self.module, self.names, x, g)
+            if direct is not None:
+                return direct
+            self.direct = False
         params = {f"m.{n}": getattr(self.module, n).detach() for n in self.names}
 
         def one(x_n: Tensor, g_n: Tensor) -> dict[str, Tensor]:
@@ -477,6 +542,31 @@ class _ReplanError(Exception):
     """Raised inside the forward pass when a leaf's capture cannot serve: plan blocks first."""
 
 
+class _UnverifiedError(Exception):
+    """A call without batch weight gradients captured other parameters than the verified one.
+
+    That model and input signature go back to verified calls for good. Carries the call's
+    random vectors ``z``, so that the verified rerun draws nothing new.
+    """
+
+    def __init__(self, noise: Tensor):
+        super().__init__()
+        self.noise = noise
+
+
+@dataclass(frozen=True)
+class _Verified:
+    """What a verified call (batch weight gradients checked) found for a model and signature.
+
+    Attributes:
+        captured: The parameters whose per-sample gradients the capture delivered.
+        rerouted: Parameters moved to the whole-model path in its first draw.
+    """
+
+    captured: frozenset[str]
+    rerouted: tuple[str, ...]
+
+
 def _monte_carlo(
     model: nn.Module,
     inputs: Tensor | Sequence[Tensor],
@@ -518,6 +608,13 @@ def _monte_carlo(
     expectation are the same; only the cost differs (a block or the model costs about one
     more forward and backward pass of it). The replays check that each sample's output equals
     the batched forward's, and the one-off independence check covers their outputs.
+
+    Cost: the check that per-sample gradients sum to the batch gradients needs the batch weight
+    gradients, a second set of weight products beside the per-sample ones. It runs on the first
+    call per model and input signature (every draw); later calls take the backward pass to the
+    input only (no batch weight gradients) and check that the capture delivers exactly the
+    parameters the verified call did, else they fall back to verified calls for good. Inputs
+    that cannot carry a gradient (integer tensors) keep every call verified.
     """
     names, chosen = _select_params(model, params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
@@ -525,20 +622,35 @@ def _monte_carlo(
     register_adapters_for(model)
     key = _signature(args, names)
     replan = _force is not None or key in _REPLAN.get(model, set())
+    known = _VERIFIED.setdefault(model, {})
     while True:
         owners, whole = _plan(model, names, chosen, args, replan, _force)
+        verified = None if _force is not None else known.get(key)
         try:
-            return _run(model, args, targets, loss_fn, mc_samples, generator, noise, names,
-                        chosen, owners, whole)  # fmt: skip
+            result, found = _run(model, args, targets, loss_fn, mc_samples, generator, noise,
+                                 names, chosen, owners, whole, verified)  # fmt: skip
         except _ReplanError:
             if replan:
                 raise
             _REPLAN.setdefault(model, set()).add(key)
+            known.pop(key, None)
             replan = True
+            continue
+        except _UnverifiedError as err:
+            known[key] = None  # verified calls from now on
+            noise = err.noise
+            continue
+        if key not in known and found is not None:
+            known[key] = found
+        return result
 
 
 # (model, input signature) whose leaves the capture cannot serve: plan blocks before the pass.
 _REPLAN: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+# (model, input signature) → what its verified call found (None: always verify).
+_VERIFIED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Verified | None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _signature(args: tuple, names: list[str]) -> tuple:
@@ -558,12 +670,33 @@ def _run(
     chosen: list[Tensor],
     owners: list[_Owner],
     whole: list[str],
-) -> DiagBackpropResult:
-    """One Monte-Carlo pass with a given plan (see :func:`_monte_carlo`)."""
+    verified: _Verified | None = None,
+) -> tuple[DiagBackpropResult, _Verified | None]:
+    """One Monte-Carlo pass with a given plan (see :func:`_monte_carlo`).
+
+    With ``verified`` (what an earlier verified call found) the backward passes go to the
+    input, not to the weights; without, every draw checks the capture against the batch weight
+    gradients. Returns the result and, for a verified call whose input can carry a gradient,
+    what it found.
+    """
     handles: list[Any] = []
     taps: list[Any] = []  # the tensor hooks, removed after the backward passes
     state = {"batch": args[0].shape[0] if args and isinstance(args[0], Tensor) else None}
     whole = list(whole)
+    leaves = [
+        i for i, a in enumerate(args)
+        if isinstance(a, Tensor) and a.is_floating_point() and not a.requires_grad
+    ]  # fmt: skip
+    if verified is not None and not leaves:
+        verified = None
+    if verified is not None:
+        args = tuple(a.detach().requires_grad_(True) if i in leaves else a
+                     for i, a in enumerate(args))  # fmt: skip
+        for owner in owners:
+            owner.names = {o: n for o, n in owner.names.items() if n not in verified.rerouted}
+        whole += [n for n in verified.rerouted if n not in whole]
+    rerouted: list[str] = []
+    captured: set[str] = set()
 
     def check(module: nn.Module, _args: Any) -> None:
         try:
@@ -629,17 +762,29 @@ def _run(
         vectors = loss_fn.hessian_sqrt(f, targets, noise)
         totals: dict[str, Tensor] = {}
         expected: dict[str, Tensor] = {}  # Σ over draws of the batch gradients, whole-model path
+        by_name = dict(zip(names, chosen, strict=True))
         for k in range(mc_samples):
-            grads = torch.autograd.grad(
-                logits, chosen, vectors[k], retain_graph=k < mc_samples - 1, allow_unused=True
-            )
-            total_grads = dict(zip(names, grads, strict=True))
+            keep = k < mc_samples - 1
+            if verified is None:
+                grads = torch.autograd.grad(
+                    logits, chosen, vectors[k], retain_graph=keep, allow_unused=True
+                )
+                total_grads = dict(zip(names, grads, strict=True))
+            else:  # to the input: the hooks fire, no batch weight gradients beyond `whole`'s
+                wanted = [args[i] for i in leaves] + [by_name[n] for n in whole]
+                grads = torch.autograd.grad(
+                    logits, wanted, vectors[k], retain_graph=keep, allow_unused=True
+                )
+                total_grads = dict(zip(whole, grads[len(leaves) :], strict=True))
             per_sample, lost = _gather(owners, total_grads)
+            if verified is not None and set(per_sample) != verified.captured:
+                raise _UnverifiedError(noise)
             if lost and k == 0:
                 # The capture cannot serve these: the whole model serves them, for all draws.
                 for owner in owners:
                     owner.names = {o: n for o, n in owner.names.items() if n not in lost}
                 whole += [n for n in names if n in lost]
+                rerouted += [n for n in names if n in lost]
             elif lost:
                 name, what = next(iter(lost.items()))
                 _lost(model, name, owners, what)
@@ -650,6 +795,7 @@ def _run(
             for name, g in per_sample.items():
                 if name in lost:
                     continue
+                captured.add(name)
                 sq = g.square().sum(0)
                 totals[name] = totals[name] + sq if name in totals else sq
     finally:
@@ -671,7 +817,13 @@ def _run(
         for n in owner.names.values():
             paths.setdefault(n, owner.how())
     mc_paths = {n: paths.get(n, _BY_MODULE) for n in names}
-    return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals, mc_paths=mc_paths)
+    result = DiagBackpropResult(
+        loss=value.detach(), logits=f, diagonals=diagonals, mc_paths=mc_paths
+    )
+    found = None
+    if verified is None and leaves:
+        found = _Verified(frozenset(captured), tuple(rerouted))
+    return result, found
 
 
 def _whole_model(

@@ -598,3 +598,97 @@ def test_argument_errors(kwargs, match):
     x = torch.randn(2, 1, 2, 2)
     with pytest.raises(ValueError, match=match):
         lsn_ext.ggn_diagonal(model, x, torch.randn(2, 1, 2, 2), "mse", **kwargs)
+
+
+# -- calls after the first skip the batch weight gradients -----------------------------------
+
+
+def _mc(model, x, y, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return lsn_ext.ggn_diagonal(model, x, y, "bce", estimator="mc", mc_samples=2, generator=gen)
+
+
+def test_calls_after_the_verified_one_give_the_same_estimate_without_batch_weight_grads():
+    from lsn_ext.estimators import _VERIFIED, _Verified
+
+    model = tiny_unet(1)
+    x, y = torch.randn(2, 2, 8, 8), (torch.rand(2, 1, 8, 8) > 0.5).double()
+    first = _mc(model, x, y, 0)  # verified: every draw against the batch weight gradients
+    (record,) = _VERIFIED[model].values()
+    assert isinstance(record, _Verified)
+    assert record.captured == {n for n, _ in model.named_parameters()}
+    second = _mc(model, x, y, 0)  # to the input only
+    assert _VERIFIED[model][next(iter(_VERIFIED[model]))] is record
+    for name, diag in first.diagonals.items():
+        assert diag.abs().sum() > 0, name
+        torch.testing.assert_close(second.diagonals[name], diag, rtol=1e-12, atol=0, msg=name)
+
+
+class _ConstantBranch(nn.Module):
+    """A head whose input does not depend on x: the backward pass to x never reaches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bias_head = nn.Conv2d(2, 1, 3, padding=1), nn.Conv2d(2, 1, 1)
+
+    def forward(self, x):
+        return self.conv(x) + self.bias_head(torch.ones_like(x))
+
+
+def test_a_capture_the_input_pass_cannot_reach_falls_back_to_verified_calls():
+    from lsn_ext.estimators import _VERIFIED
+
+    model = _ConstantBranch().double()
+    x, y = torch.randn(3, 2, 5, 5), (torch.rand(3, 1, 5, 5) > 0.5).double()
+    first = _mc(model, x, y, 1)
+    second = _mc(model, x, y, 1)  # the input pass misses bias_head: redone verified
+    assert next(iter(_VERIFIED[model].values())) is None
+    third = _mc(model, x, y, 1)
+    for name, diag in first.diagonals.items():
+        assert diag.abs().sum() > 0, name
+        torch.testing.assert_close(second.diagonals[name], diag, msg=name)
+        torch.testing.assert_close(third.diagonals[name], diag, msg=name)
+
+
+DIRECT = {
+    "conv1d-stride2": (lambda: nn.Conv1d(3, 4, 3, stride=2, padding=1), (5, 3, 9)),
+    "conv2d-dilation-groups": (lambda: nn.Conv2d(4, 6, 3, dilation=2, groups=2), (3, 4, 7, 7)),
+    "conv2d-no-bias": (lambda: nn.Conv2d(2, 3, 1, bias=False), (3, 2, 4, 5)),
+    "conv3d": (lambda: nn.Conv3d(2, 2, (1, 3, 3), padding=(0, 1, 1)), (2, 2, 3, 4, 4)),
+    "linear-tokens": (lambda: nn.Linear(5, 3), (4, 6, 5)),
+}
+
+
+@pytest.mark.parametrize("case", DIRECT.values(), ids=DIRECT.keys())
+@pytest.mark.parametrize("which", ["weight-and-bias", "bias-only"])
+def test_direct_per_sample_gradients_equal_the_per_sample_jacobian(case, which):
+    from lsn_ext.estimators import _direct_sample_grads
+
+    make, shape = case
+    module = make()
+    x = torch.randn(shape)
+    g = torch.randn_like(module(x))
+    names = {n: n for n, _ in module.named_parameters() if which != "bias-only" or n == "bias"}
+    got = _direct_sample_grads(module, names, x, g)
+    assert set(got) == set(names)
+    for n in names:
+        want = torch.stack(
+            [
+                torch.autograd.grad(module(x[i : i + 1]), getattr(module, n), g[i : i + 1])[0]
+                for i in range(shape[0])
+            ]
+        )
+        torch.testing.assert_close(got[n], want, msg=n)
+
+
+def test_direct_gradients_leave_other_modules_to_the_replay():
+    from lsn_ext.estimators import _direct_sample_grads
+
+    conv = nn.Conv2d(2, 2, 3, padding="same")
+    x = torch.randn(2, 2, 4, 4)
+    assert _direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
+    conv = nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect")
+    assert _direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
+    conv = nn.Conv2d(2, 2, 3, padding=1)
+    conv.forward = lambda t: 2 * nn.Conv2d.forward(conv, t)
+    assert _direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
