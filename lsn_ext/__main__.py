@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         default=10,
         help="SSN covariance rank (paper: 10; 0: the '(diag)' models, object-marking aleatoric)",
     )
+    demo.add_argument(
+        "--ssn-loss",
+        choices=("logsumexp", "expected"),
+        default="logsumexp",
+        help="SSN training loss: LSN Eq. 11 or the per-pixel expected BCE",
+    )
     demo.add_argument("--quick", action="store_true", help="tiny run (seconds), for tests")
     demo.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (0: torch's default)"
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                 mc_samples=args.mc_samples,
                 prior=args.prior,
                 rank=args.rank,
+                ssn_loss=args.ssn_loss,
             )
         )
     return 2

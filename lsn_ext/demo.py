@@ -17,6 +17,7 @@ Writes ``figure.png`` (maps), ``table.md`` and ``table.csv`` to the output direc
 from __future__ import annotations
 
 import csv
+import functools
 import math
 import time
 import warnings
@@ -111,6 +112,9 @@ class DemoConfig:
         mc_samples: Monte-Carlo vectors per image for ``"db_calibrated"`` and ``"mc"``.
         prior: How :func:`tune_prior` sets the prior precision: ``"marglik"`` (laplace-torch's
             marginal likelihood, one scalar) or ``"nll"`` (validation NLL grid search).
+        ssn_loss: The SSNs' training loss (:func:`lsn_ext.models.ssn_loss`'s ``objective``, 20
+            logit samples): ``"logsumexp"`` (LSN Eq. 11) or ``"expected"`` (per-pixel expected
+            BCE under the logit distribution).
     """
 
     out: Path = Path("lsn-ext-output")
@@ -130,10 +134,13 @@ class DemoConfig:
     estimator: Estimator = "mc"
     mc_samples: int = 1
     prior: Literal["marglik", "nll"] = "marglik"
+    ssn_loss: Literal["logsumexp", "expected"] = "logsumexp"
 
     def __post_init__(self) -> None:
         if self.prior not in _PRIOR_NAMES:
             raise ValueError(f"prior must be one of {sorted(_PRIOR_NAMES)}, got {self.prior!r}")
+        if self.ssn_loss not in ("logsumexp", "expected"):
+            raise ValueError(f"ssn_loss must be 'logsumexp' or 'expected', got {self.ssn_loss!r}")
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0 (0: diagonal logit covariance), got {self.rank}")
         if self.estimator == "db" and self.prior == "marglik":
@@ -151,9 +158,12 @@ def bce_objective(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.binary_cross_entropy_with_logits(net(x), y)
 
 
-def ssn_objective(net: SSN, x: Tensor, y: Tensor) -> Tensor:
-    """LSN Eq. 11 per image, divided by the pixels so that the step size matches the BCE models."""
-    return ssn_loss(net.distribution(x), y, 20) / y[0].numel()
+def ssn_objective(net: SSN, x: Tensor, y: Tensor, objective: str = "logsumexp") -> Tensor:
+    """The SSN loss per image over its pixels (the BCE models' step size), 20 logit samples.
+
+    ``objective``: ``"logsumexp"`` (LSN Eq. 11) or ``"expected"`` (per-pixel expected BCE).
+    """
+    return ssn_loss(net.distribution(x), y, 20, objective=objective) / y[0].numel()
 
 
 def train(
@@ -419,10 +429,11 @@ def _run(cfg: DemoConfig) -> int:
 
     t0 = time.perf_counter()
     nets: dict[str, nn.Module] = {}
-    nets["ssn"] = train("SSN", ssn(), ssn_objective, x_tr, y_tr, cfg, cfg.seed)
+    ssn_obj = functools.partial(ssn_objective, objective=cfg.ssn_loss)
+    nets["ssn"] = train("SSN", ssn(), ssn_obj, x_tr, y_tr, cfg, cfg.seed)
     nets["unet"] = train("U-Net", unet(), bce_objective, x_tr, y_tr, cfg, cfg.seed + 1)
     nets["ssn_do"] = train(
-        "SSN + dropout", ssn(cfg.dropout), ssn_objective, x_tr, y_tr, cfg, cfg.seed + 2
+        "SSN + dropout", ssn(cfg.dropout), ssn_obj, x_tr, y_tr, cfg, cfg.seed + 2
     )
     nets["unet_do"] = train(
         "U-Net + dropout", unet(cfg.dropout), bce_objective, x_tr, y_tr, cfg, cfg.seed + 3

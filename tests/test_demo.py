@@ -76,6 +76,28 @@ def test_quick_demo_with_rank_0_and_the_grid_search_prior(tmp_path, capsys):
     assert (tmp_path / "figure.png").exists()
 
 
+def test_quick_demo_with_the_other_ssn_loss(tmp_path, capsys):
+    args = ["demo", "--quick", "--out", str(tmp_path), "--no-progress", "--ensemble", "0"]
+    other = "expected" if DemoConfig().ssn_loss == "logsumexp" else "logsumexp"
+    assert main([*args, "--ssn-loss", other]) == 0
+    assert (tmp_path / "table.md").read_text().startswith("| Model |")
+
+
+def test_ssn_objective_is_the_chosen_loss_per_pixel():
+    torch.manual_seed(0)
+    from lsn_ext.demo import ssn_objective
+    from lsn_ext.models import SSN, ssn_loss
+
+    ssn = SSN.with_unet(1, widths=(4, 8), rank=2)
+    x, y = torch.randn(2, 1, 8, 8), (torch.rand(2, 1, 8, 8) > 0.5).float()
+    for objective in ("logsumexp", "expected"):
+        torch.manual_seed(1)
+        got = ssn_objective(ssn, x, y, objective)
+        torch.manual_seed(1)
+        want = ssn_loss(ssn.distribution(x), y, 20, objective=objective) / 64
+        torch.testing.assert_close(got, want)
+
+
 def test_demo_refuses_bad_prior_and_rank(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--prior", "laplace"])
@@ -87,6 +109,11 @@ def test_demo_refuses_bad_prior_and_rank(capsys):
         DemoConfig(prior="gridsearch")
     with pytest.raises(ValueError, match="rank must be >= 0"):
         DemoConfig(rank=-2)
+    with pytest.raises(ValueError, match="ssn_loss must be 'logsumexp' or 'expected'"):
+        DemoConfig(ssn_loss="mean")
+    with pytest.raises(SystemExit):
+        main(["demo", "--ssn-loss", "mean"])
+    assert "invalid choice: 'mean'" in capsys.readouterr().err
     with pytest.warns(UserWarning, match="use prior='nll'"):
         DemoConfig(estimator="db")
 
