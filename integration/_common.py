@@ -1,10 +1,11 @@
 """Helpers shared by the benchmark scripts in this folder."""
 
 import argparse
+import multiprocessing
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -56,3 +57,34 @@ def quick_benchmark_main(
     args = parser.parse_args(argv)
     torch.set_num_threads(threads)
     report(title, lambda: run(args.quick), args.quick, results)
+
+
+def run_units(
+    name: str,
+    fn: Callable[[tuple], tuple[object, float]],
+    work: Sequence[tuple],
+    workers: int,
+    on_done: Callable[[object, float], None] | None = None,
+) -> None:
+    """Run ``fn`` on every work item, in ``workers`` spawned processes when there are several.
+
+    ``fn(item)`` returns ``(key, seconds)``; ``on_done(key, seconds)`` runs in this process as
+    each unit finishes (e.g. to record its cost), and a progress line is printed. ``fn`` must be
+    importable from a worker (a module-level function of the script).
+    """
+    t0 = time.perf_counter()
+
+    def done(key: object, seconds: float) -> None:
+        if on_done is not None:
+            on_done(key, seconds)
+        print(f"[{name}] {key}: {seconds:.0f} s", flush=True)
+
+    if workers > 1 and len(work) > 1:
+        with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            for key, seconds in pool.imap_unordered(fn, work):
+                done(key, seconds)
+    else:
+        for item in work:
+            done(*fn(item))
+    if work:
+        print(f"[{name}] all units: {time.perf_counter() - t0:.0f} s wall", flush=True)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -46,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
 import uncertainty_benchmark as ub
-from _common import machine
+from _common import machine, run_units
 
 from lsn_ext import predict
 from lsn_ext.lsn import aleatoric_maps, fit_lsn, mc_dropout_predict, predict_lsn
@@ -363,16 +362,7 @@ def main(argv: list[str] | None = None) -> Path:
     root = args.cache or ((tmp / "cache") if tmp else RESULTS / ".cache" / "uncertainty")
     # Seed by seed, the largest budget first within a seed.
     work = [] if args.report_only else [(root, c, s, args.quick) for s in seeds for c in caps[::-1]]
-    t0 = time.perf_counter()
-    if args.workers > 1 and len(work) > 1:
-        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-            for key, dt in pool.imap_unordered(_run_unit, work):
-                print(f"[lsn_budget] {key} {dt:.0f} s", flush=True)
-    else:
-        for w in work:
-            print(f"[lsn_budget] {_run_unit(w)[0]} done", flush=True)
-    if work:
-        print(f"[lsn_budget] all units: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    run_units("lsn_budget", _run_unit, work, args.workers)
     path = write_report(root, caps, seeds, out, args.quick)
     print(path.read_text())
     print(f"written to {path}")

@@ -38,7 +38,6 @@ import csv
 import functools
 import json
 import math
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -52,7 +51,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
-from _common import machine
+from _common import machine, run_units
 
 from lsn_ext import demo, gridsearch_prior_precision, predict
 from lsn_ext.lsn import fit_lsn
@@ -493,16 +492,7 @@ def main(argv: list[str] | None = None) -> Path:
     root = args.cache or ((tmp / "cache") if tmp else RESULTS / ".cache" / "prior")
     root.mkdir(parents=True, exist_ok=True)
     work = [] if args.report_only else [(root, s, args.quick, args.ssn_loss) for s in seeds]
-    t0 = time.perf_counter()
-    if args.workers > 1 and len(work) > 1:
-        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-            for seed, dt in pool.imap_unordered(_run_unit, work):
-                print(f"[lsn_prior] seed {seed}: {dt:.0f} s", flush=True)
-    else:
-        for w in work:
-            print(f"[lsn_prior] seed {w[1]}: {_run_unit(w)[1]:.0f} s", flush=True)
-    if work:
-        print(f"[lsn_prior] all seeds: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    run_units("lsn_prior", _run_unit, work, args.workers)
     path = write_report(root, seeds, out, args.quick, args.ssn_loss)
     print(path.read_text())
     print(f"written to {path}")

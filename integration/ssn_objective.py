@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -52,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
 import uncertainty_benchmark as ub
-from _common import machine
+from _common import machine, run_units
 
 from lsn_ext.lsn import aleatoric_maps
 from lsn_ext.metrics import auroc, average_precision, boundary_band, box_ratio
@@ -454,17 +453,7 @@ def main(argv: list[str] | None = None) -> Path:
         )
     )
     work = [(root, budget, 1, u) for u in units]
-    t0 = time.perf_counter()
-    if args.workers > 1 and len(work) > 1:
-        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-            for key, dt in pool.imap_unordered(_run_unit, work):
-                lp._record(cache, key, dt)
-                print(f"[ssn_objective] {key} {dt:.0f} s", flush=True)
-    else:
-        for w in work:
-            lp._record(cache, *_run_unit((*w[:2], torch.get_num_threads(), w[3])))
-    if units:
-        print(f"[ssn_objective] all units: {time.perf_counter() - t0:.0f} s wall", flush=True)
+    run_units("ssn_objective", _run_unit, work, args.workers, lambda k, t: lp._record(cache, k, t))
     path = write_report(cache, grid, seeds, out, args.quick)
     print(path.read_text())
     print(f"written to {path}")

@@ -50,58 +50,49 @@ def _check_dim(module: nn.Module) -> None:
         )
 
 
-class SoftmaxRule(Rule):
+class _OverDimRule(Rule):
+    """A parameter-free map along one dimension whose rule reads only its output ``y``."""
+
+    needs_input = False
+    needs_output = True
+
+    def check(self, module: nn.Module) -> None:
+        _check_dim(module)
+
+    def squared(self, y: Tensor, m: Tensor, dim: int, backward: bool) -> Tensor:
+        """``(J ∘ J)ᵀ m`` (``backward``) or ``(J ∘ J) m`` along ``dim``."""
+        raise NotImplementedError
+
+    def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
+        return self.squared(y, m_out, _dim(module), backward=True)
+
+    def forward_rule(
+        self,
+        module: nn.Module,
+        x: Tensor,
+        y: Tensor,
+        v_in: Tensor | None,
+        param_var: Mapping[str, Tensor],
+    ) -> Tensor:
+        if v_in is None:
+            return y.new_zeros(y.shape)
+        return self.squared(y, v_in, _dim(module), backward=False)
+
+
+class SoftmaxRule(_OverDimRule):
     """``nn.Softmax(dim)`` and ``nn.Softmax2d``: exact (see the module docstring)."""
 
-    needs_input = False
-    needs_output = True
-
-    def check(self, module: nn.Module) -> None:
-        _check_dim(module)
-
-    def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
-        return _softmax_squared(y, m_out, _dim(module))
-
-    def forward_rule(
-        self,
-        module: nn.Module,
-        x: Tensor,
-        y: Tensor,
-        v_in: Tensor | None,
-        param_var: Mapping[str, Tensor],
-    ) -> Tensor:
-        if v_in is None:
-            return y.new_zeros(y.shape)
-        return _softmax_squared(y, v_in, _dim(module))
+    def squared(self, y: Tensor, m: Tensor, dim: int, backward: bool) -> Tensor:
+        return _softmax_squared(y, m, dim)  # the same form in both directions
 
 
-class LogSoftmaxRule(Rule):
+class LogSoftmaxRule(_OverDimRule):
     """``nn.LogSoftmax(dim)``: exact (see the module docstring)."""
 
-    needs_input = False
-    needs_output = True
-
-    def check(self, module: nn.Module) -> None:
-        _check_dim(module)
-
-    def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
+    def squared(self, y: Tensor, m: Tensor, dim: int, backward: bool) -> Tensor:
         p = y.exp()
-        d = _dim(module)
-        return ((1 - 2 * p) * m_out + p * p * m_out.sum(d, keepdim=True)).clamp_min(0)
-
-    def forward_rule(
-        self,
-        module: nn.Module,
-        x: Tensor,
-        y: Tensor,
-        v_in: Tensor | None,
-        param_var: Mapping[str, Tensor],
-    ) -> Tensor:
-        if v_in is None:
-            return y.new_zeros(y.shape)
-        p = y.exp()
-        d = _dim(module)
-        return ((1 - 2 * p) * v_in + (p * p * v_in).sum(d, keepdim=True)).clamp_min(0)
+        mixed = p * p * m.sum(dim, keepdim=True) if backward else (p * p * m).sum(dim, keepdim=True)
+        return ((1 - 2 * p) * m + mixed).clamp_min(0)
 
 
 def _softmax_squared(y: Tensor, m: Tensor, dim: int) -> Tensor:
