@@ -346,7 +346,7 @@ def write_report(
         "collapsed",
         "boundary ratio (t-CI) [bootstrap]",
         "aleatoric var inside / band / outside",
-        "logit sd / |μ| (medians)",
+        "logit sd / abs(μ) (medians)",
         "shift AUROC, entropy (t-CI) [bootstrap]",
         "shift AUROC, fg entropy",
         "shift AUROC, MAP entropy (baseline)",
