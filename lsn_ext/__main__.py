@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--ssn-loss",
         choices=("logsumexp", "expected"),
-        default="logsumexp",
-        help="SSN training loss: LSN Eq. 11 or the per-pixel expected BCE",
+        default="expected",
+        help="SSN training loss: the per-pixel expected BCE or LSN Eq. 11",
     )
     demo.add_argument("--quick", action="store_true", help="tiny run (seconds), for tests")
     demo.add_argument(

@@ -113,8 +113,10 @@ class DemoConfig:
         prior: How :func:`tune_prior` sets the prior precision: ``"marglik"`` (laplace-torch's
             marginal likelihood, one scalar) or ``"nll"`` (validation NLL grid search).
         ssn_loss: The SSNs' training loss (:func:`lsn_ext.models.ssn_loss`'s ``objective``, 20
-            logit samples): ``"logsumexp"`` (LSN Eq. 11) or ``"expected"`` (per-pixel expected
-            BCE under the logit distribution).
+            logit samples): ``"expected"`` (default: the per-pixel expected BCE under the logit
+            distribution, whose aleatoric map marks the objects and their boundaries,
+            ``integration/results/demo_ssn_loss.md`` and ``ssn_objective.md``) or
+            ``"logsumexp"`` (LSN Eq. 11, whose map is flat at this budget).
     """
 
     out: Path = Path("lsn-ext-output")
@@ -134,7 +136,7 @@ class DemoConfig:
     estimator: Estimator = "mc"
     mc_samples: int = 1
     prior: Literal["marglik", "nll"] = "marglik"
-    ssn_loss: Literal["logsumexp", "expected"] = "logsumexp"
+    ssn_loss: Literal["logsumexp", "expected"] = "expected"
 
     def __post_init__(self) -> None:
         if self.prior not in _PRIOR_NAMES:
