@@ -396,6 +396,11 @@ def write_report(
             f"step {b.min_steps}; no class reweighting (factor 1); {N_ALEATORIC} logit samples "
             f"per map; shift sets of {b.n_shift} images; {b.n_eval} noise-box images.",
             "",
+            f"Configurations in this report: rank {sorted({c.rank for c in grid})} × M "
+            f"{sorted({c.samples for c in grid})} × loss (Eq. 11, expected); the full grid of "
+            f"`configs()` has M {sorted({c.samples for c in configs(quick)})} (`--samples` "
+            "restricts it).",
+            "",
             "## Results",
             "",
             lp._table(header, rows),
