@@ -48,3 +48,22 @@ def test_every_block_runs_in_order():
             ran += 1
     assert ran == len(blocks()) - 1
     assert namespace["maps"].entropy.shape == (8, 32, 32)  # the last block: the LSN maps
+
+
+def _table_rows(text: str, header: str) -> list[str]:
+    lines = text.splitlines()
+    start = lines.index(header)
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def test_the_demo_table_is_the_committed_demo_output():
+    committed = README.parent / "integration" / "results" / "demo" / "table.md"
+    header = committed.read_text().splitlines()[0]
+    want = _table_rows(committed.read_text(), header)
+    assert len(want) == 7  # header, rule, five models
+    assert _table_rows(README.read_text(), header) == want
