@@ -144,7 +144,7 @@ def unit(cache: ub.ConvergedCache, cap: int, seed: int, quick: bool) -> dict:
             }
         with torch.no_grad():
             map_ent = {
-                k: per_image_entropy(ub._entropy(torch.sigmoid(unet(v)))[:, None])
+                k: per_image_entropy(lp._entropy_binary(torch.sigmoid(unet(v))))
                 for k, v in sets.items()
             }
         out["MAP entropy"] = {

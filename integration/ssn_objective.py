@@ -152,10 +152,10 @@ def unit(cache: ub.ConvergedCache, config: Config, seed: int) -> dict:
                     net, xk, N_ALEATORIC, generator=torch.Generator().manual_seed(seed)
                 )
                 p_map = torch.sigmoid(net(xk))
-            ent = ub._entropy(pk)
+            ent = lp._entropy_binary(pk)
             scores["mean"][k] = ent.flatten(1).mean(1).tolist()
             scores["fg"][k] = ub.foreground_entropy(ent, pk, b.fg_dilation).tolist()
-            scores["map"][k] = ub._entropy(p_map).flatten(1).mean(1).tolist()
+            scores["map"][k] = lp._entropy_binary(p_map).flatten(1).mean(1).tolist()
         stats = ub.image_statistics(data.train_x, sets)
 
         _, _, x_box, box, _, _ = lp._boxed(data, b, seed)

@@ -258,11 +258,6 @@ class Pred:
     variance: Tensor | None  # epistemic Var p, [N, 1, H, W]
 
 
-def _entropy(p: Tensor) -> Tensor:
-    p = p.clamp(1e-12, 1 - 1e-12)
-    return -(p * p.log() + (1 - p) * (1 - p).log())[:, 0]
-
-
 def _la_predict(la: object, x: Tensor, n: int, pred_type: str, seed: int) -> object:
     gen = torch.Generator().manual_seed(seed)
     return predict(la, x, n, pred_type=pred_type, link_approx="mc", generator=gen)
@@ -289,7 +284,7 @@ def predictors(
     def map_(x: Tensor) -> Pred:
         with torch.no_grad():
             p = torch.sigmoid(members[0](x))
-        return Pred(p, _entropy(p), None, None)
+        return Pred(p, lp._entropy_binary(p), None, None)
 
     def dropout(x: Tensor) -> Pred:
         torch.manual_seed(seed)

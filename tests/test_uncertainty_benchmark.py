@@ -80,7 +80,7 @@ def test_bootstrap_histograms_agree_with_the_exact_metrics(bench):
     logits = 4 * torch.randn(12, 1, 16, 16, generator=g, dtype=torch.float64)
     mean = torch.sigmoid(logits)
     y = (torch.rand(12, 1, 16, 16, generator=g, dtype=torch.float64) < mean).double()
-    pred = bench.Pred(mean, bench._entropy(mean), None, None)
+    pred = bench.Pred(mean, bench.lp._entropy_binary(mean), None, None)
     exact, sums = bench.measure(pred, y, b, bench.histogram_edges([mean], b))
     every = torch.arange(12).unsqueeze(0)  # the identity "resample"
     for metric in ("auroc", "auprc", "ece", "nll", "brier"):
