@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ pro
     from lsn_ext.sliding import SlidingWindow
     from lsn_ext.vi import GaussianMixture, StructuredGaussian, VariationalPosterior
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 # Public name -> the module that defines it (a submodule maps to itself). Adding a public name is
 # one line here, one in __all__ and one in the TYPE_CHECKING block above;

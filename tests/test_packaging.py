@@ -6,6 +6,7 @@ temporary folder (about two seconds; nothing is written into the checkout, no ne
 
 import ast
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -48,12 +49,17 @@ def _run(code: str, cwd: Path = ROOT) -> str:
     return proc.stdout
 
 
+def _source_copy(dest: Path) -> Path:
+    """A copy of the source tree without build outputs, caches and the venv."""
+    shutil.copytree(ROOT, dest, ignore=_SKIP)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def dists(tmp_path_factory) -> dict[str, set[str]]:
     """Build the sdist and the wheel from a copy of the tree; their member names, sans top dir."""
     tmp = tmp_path_factory.mktemp("pkg")
-    src = tmp / "src"
-    shutil.copytree(ROOT, src, ignore=_SKIP)
+    src = _source_copy(tmp / "src")
     out = tmp / "dist"
     _run(
         f"""
@@ -110,27 +116,27 @@ def test_sdist_carries_the_whole_test_suite(dists):
 def test_sdist_carries_licences_docs_and_data(dists):
     top = {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "MANIFEST.in", "dev"}
     assert not top - dists["sdist"]
-    assert not {f"lsn_ext/data/nuclei/{f}" for f in DATA} - dists["sdist"]
+    assert not {f"lsn_ext/data/nuclei_files/{f}" for f in DATA} - dists["sdist"]
     assert "integration/_common.py" in dists["sdist"]
     assert not any(n.startswith("integration/results/") for n in dists["sdist"])
 
 
 def test_wheel_carries_data_and_licences(dists):
     wheel = dists["wheel"]
-    assert not {f"lsn_ext/data/nuclei/{f}" for f in DATA} - wheel
+    assert not {f"lsn_ext/data/nuclei_files/{f}" for f in DATA} - wheel
     assert "lsn_ext/py.typed" in wheel  # PEP 561
     licences = {n.split(".dist-info/", 1)[1] for n in wheel if ".dist-info/licenses/" in n}
-    assert licences == {"licenses/LICENSE", "licenses/lsn_ext/data/nuclei/LICENSE"}
+    assert licences == {"licenses/LICENSE", "licenses/lsn_ext/data/nuclei_files/LICENSE"}
     assert not any(n.startswith("tests/") for n in wheel)
     assert "License-Expression: MIT" in dists["metadata"]
-    assert "License-File: lsn_ext/data/nuclei/LICENSE" in dists["metadata"]
+    assert "License-File: lsn_ext/data/nuclei_files/LICENSE" in dists["metadata"]
     # lsn_ext itself does not need torchvision (laplace-torch and BackPACK declare it)
     assert not any(line.startswith("Requires-Dist: torchvision") for line in dists["metadata"])
 
 
 def test_licence_files_say_what_they_cover():
     assert "MIT License" in (ROOT / "LICENSE").read_text()
-    notice = (ROOT / "lsn_ext/data/nuclei/LICENSE").read_text()
+    notice = (ROOT / "lsn_ext/data/nuclei_files/LICENSE").read_text()
     assert "BSD 3-Clause License" in notice
     assert "Uwe Schmidt, Martin Weigert" in notice
     for name in ("img2d.tif", "mask2d.tif", "histo.jpg"):
@@ -237,3 +243,112 @@ def test_the_public_api_imports_with_warnings_as_errors():
         [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_broken_torchvision_gets_an_error_that_names_it_and_the_fix(tmp_path):
+    """PyPI's CUDA torchvision beside a CPU torch fails inside ``import laplace`` (torchmetrics)."""
+    fake = tmp_path / "torchvision"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
+    info = tmp_path / "torchvision-0.28.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torchvision\nVersion: 0.28.0\n")
+    done = subprocess.run(
+        [sys.executable, "-c", "import lsn_ext; lsn_ext.DiagBackprop"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: lsn_ext could not import laplace-torch")
+    assert "torchvision 0.28.0" in last
+    assert "operator torchvision::nms does not exist" in last
+    assert "pip uninstall torchvision" in last
+
+
+def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path):
+    """The built wheel, installed offline into a new venv, runs a Laplace fit from outside the repo.
+
+    The new venv reaches the dependencies through a ``.pth`` line to this environment's
+    site-packages (no network), so what is tested is the wheel: its files, data, entry point and
+    metadata, imported from the new venv's own site-packages.
+    """
+    import site
+
+    dist = tmp_path / "dist"
+    _run(
+        f"from setuptools import build_meta; build_meta.build_wheel({str(dist)!r})",
+        cwd=_source_copy(tmp_path / "src"),
+    )
+    (wheel,) = dist.glob("*.whl")
+    venv = tmp_path / "fresh"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = venv / "bin" / "python"
+    (new_site,) = (venv / "lib").glob("python*/site-packages")
+    (new_site / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    pip = [str(py), "-m", "pip", "--disable-pip-version-check", "-q", "install"]
+    subprocess.run([*pip, "--no-index", "--no-deps", str(wheel)], check=True, timeout=300)
+    quick_start = textwrap.dedent(
+        """
+        import lsn_ext, torch
+        from laplace import Laplace
+        from torch.utils.data import DataLoader, TensorDataset
+        from lsn_ext.models import UNet
+
+        torch.manual_seed(0)
+        x = torch.randn(4, 3, 16, 16)
+        y = torch.randint(0, 3, (4, 16, 16))
+        unet = UNet(3, 3, widths=(4, 8)).eval()
+        la = Laplace(unet, "classification", subset_of_weights="all",
+                     hessian_structure="diag", backend=lsn_ext.DiagBackprop)
+        la.fit(DataLoader(TensorDataset(x, y), batch_size=2))
+        assert bool((la.H >= 0).all()) and la.H.numel() == sum(p.numel() for p in unet.parameters())
+        print(lsn_ext.__file__)
+        from lsn_ext.data import load_nuclei
+
+        print(type(load_nuclei()).__name__)
+        """
+    )
+    ran = subprocess.run(
+        [str(py), "-c", quick_start], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert Path(ran.stdout.splitlines()[0]).is_relative_to(new_site)
+    version = subprocess.run(
+        [str(venv / "bin" / "lsn-ext"), "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert version.stdout.strip().endswith(lsn_ext.__version__), version.stderr
+
+
+def test_the_release_builds_cleanly_and_passes_twine_check(tmp_path):
+    """``python -m build`` without warnings, and ``twine check`` (PyPI's rendering of README)."""
+    pytest.importorskip("build", reason="build is in the dev extra")
+    pytest.importorskip("twine", reason="twine is in the dev extra")
+    out = tmp_path / "dist"
+    built = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), "."],
+        cwd=_source_copy(tmp_path / "src"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    log = built.stdout + built.stderr
+    assert "WARNING" not in log, log[-3000:]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        f"lsn_ext-{lsn_ext.__version__}-py3-none-any.whl",
+        f"lsn_ext-{lsn_ext.__version__}.tar.gz",
+    ]
+    checked = subprocess.run(
+        [sys.executable, "-m", "twine", "check", "--strict", *map(str, out.iterdir())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert checked.returncode == 0, checked.stdout[-3000:]
+    assert checked.stdout.count("PASSED") == 2

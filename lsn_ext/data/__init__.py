@@ -5,7 +5,7 @@
   1:8 class imbalance), standardised with fixed constants, made on the spot.
 - :func:`load_nuclei` / :func:`nuclei_patches` / :func:`load_histology`: a real fluorescence
   nuclei image with its hand-drawn mask, and an H&E image as far out-of-distribution data,
-  shipped with the package (``lsn_ext/data/nuclei/PROVENANCE.md``).
+  shipped with the package (``lsn_ext/data/nuclei_files/PROVENANCE.md``).
 - :func:`load_nuclei_3d` / :func:`nuclei_volume_slices`: stardist's synthetic 3-D nuclei volume
   with its mask, and its z-slices as 2-D images, shipped beside them.
 """

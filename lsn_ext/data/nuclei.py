@@ -1,6 +1,6 @@
 """A real segmentation task shipped with the package: fluorescence nuclei, and an H&E image.
 
-Files (``lsn_ext/data/nuclei/``, see ``PROVENANCE.md`` there): ``img2d.tif``, a 512×512 uint16
+Files (``lsn_ext/data/nuclei_files/``, see ``PROVENANCE.md`` there): ``img2d.tif``, a 512×512 uint16
 fluorescence image of cell nuclei (2018 Data Science Bowl, BBBC038, CC0) with ``mask2d.tif``, its
 hand-drawn instance labels (125 nuclei, about 20 % foreground), and ``histo.jpg``, a 300×500 RGB
 H&E tissue image without mask, used as far out-of-distribution input. Beside them ``img3d.tif``,
@@ -38,11 +38,12 @@ __all__ = [
 
 def _read(name: str, *, pages: bool = False) -> np.ndarray:
     """A shipped image as an array; with ``pages``, all pages of a multi-page TIFF stacked first."""
-    path = resources.files("lsn_ext.data") / "nuclei" / name
+    path = resources.files("lsn_ext.data") / "nuclei_files" / name
     if not path.is_file():
         raise FileNotFoundError(
-            f"package data file {name!r} is missing from lsn_ext/data/nuclei/; the installation "
-            "is incomplete (reinstall lsn-ext, or check [tool.setuptools.package-data])"
+            f"package data file {name!r} is missing from lsn_ext/data/nuclei_files/; the "
+            "installation is incomplete (reinstall lsn-ext, or check [tool.setuptools.package-data]"
+            " in pyproject.toml)"
         )
     with path.open("rb") as f, Image.open(f) as image:
         if pages:
