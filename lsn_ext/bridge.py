@@ -43,15 +43,23 @@ sums to one for any input. The concentration itself is ``exp(log α)``, where, i
 mass to working precision, with variances below ``K²/α_max``), and entries are then floored at
 the dtype's ``tiny`` so that ``α > 0``.
 
-Precision. Everything up to ``log α`` is computed in float64 where float32 would lose
-accuracy: for a full covariance (the zero-sum projection cancels), for float64 inputs, and for
-logits larger than 32 in magnitude (``log α`` holds ``μ_k + logsumexp(−μ)``, whose absolute
-error grows with ``|μ|``); otherwise, for diagonal variances in float32 or half precision, in
-float32 (``log α`` to a few 1e-6, tested against float64; half precision's range would cap
-``α`` near ``256/K``). The result is returned in the input's dtype, except that float16 and
-bfloat16 inputs give a float32 result (half precision cannot hold ``α`` to useful accuracy).
-Logits so extreme that ``log α`` itself overflows the result dtype (``|μ| ≳ 1.7e38`` in
-float32) raise a ``ValueError``; pass float64.
+Precision. Everything up to ``log α`` is computed in float32 for diagonal variances in float32
+or half precision, and in float64 where float32 would lose accuracy, decided by the input's
+largest ``|μ|`` and variance (taken from the validation pass, one host synchronisation): for a
+full covariance (its zero-sum projection cancels), for float64 inputs, for logits larger than 32
+in magnitude (``log α`` holds ``μ_k + logsumexp(−μ)``, whose absolute error grows with ``|μ|``),
+for variances above ``2^100`` (their class sum could overflow float32), and, with ``norm``, when
+the normalised logits exceed 32 in magnitude (checked after the float32 normalisation; the input
+is then recomputed in float64). Tiny variances, subnormal ones included, and variances of very
+different sizes need no fallback: the diagonal projection is computed as
+``min(v_k, r_k) · (max(v_k, r_k) / Σ v)`` with the rest ``r_k = Σ_{l≠k} v_l`` summed without
+cancellation, so no factor overflows or underflows (see :func:`_rest_product`). The float32 path
+agrees with float64 to a few 1e-6 relative in ``log α`` (tested from tiny to huge variances,
+with extreme logits and per pixel; half precision's range would cap ``α`` near ``256/K``). The
+result is returned in the input's dtype, except that float16 and bfloat16 inputs give a float32
+result (half precision cannot hold ``α`` to useful accuracy). Logits so extreme that ``log α``
+itself overflows the result dtype (``|μ| ≳ 1.7e38`` in float32) raise a ``ValueError``; pass
+float64.
 The degenerate-projection threshold below uses the input dtype's machine epsilon; a full
 covariance in a dtype too coarse for it (bfloat16, float16 with many classes) is refused.
 
@@ -382,7 +390,8 @@ class LaplaceBridge:
         mu, var, out = self._gaussian(f_mu, f_var)
         log_alpha = _log_alpha(mu, var)
         result = log_alpha.to(out)
-        if not bool(torch.isfinite(result).all()):
+        # log α is finite in its working dtype; only a float64 log α can overflow the result
+        if log_alpha.dtype != out and not bool(torch.isfinite(result).all()):
             big = float(f_mu.detach().abs().max())
             raise ValueError(
                 f"log α overflows {out} (largest |f_mu| = {big:.3g}: the logits are too extreme "
@@ -402,14 +411,23 @@ class LaplaceBridge:
 
     def _gaussian(self, f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor, torch.dtype]:
         """``(μ, Σ_kk)`` in the working dtype, and the dtype of the result (module docstring)."""
-        mu, var, full = _check(f_mu, f_var)
+        mu, var, full, mu_abs, var_max = _check(f_mu, f_var)
         out = _result_dtype(mu.dtype)
-        # The threshold for a degenerate 1ᵀΣ1 is the round-off of the *input* dtype.
-        eps = torch.finfo(mu.dtype).eps
-        work = _work_dtype(mu, full)
-        mu, var = mu.to(work), var.to(work)
+        work = _work_dtype(mu.dtype, full, mu_abs, var_max)
+        m, v = self._transform(mu.to(work), var.to(work), full, mu.dtype, out)
+        # the normalisation scales the logits by 1/√c: check them again
+        renorm = work != torch.float64 and self.norm is not None and m.numel() > 0
+        if renorm and float(m.abs().amax()) > _FLOAT32_LOGIT_LIMIT:
+            m, v = self._transform(mu.double(), var.double(), full, mu.dtype, out)
+        return m, v, out
+
+    def _transform(
+        self, mu: Tensor, var: Tensor, full: bool, dtype: torch.dtype, out: torch.dtype
+    ) -> tuple[Tensor, Tensor]:
+        """Projection, normalisation and floor, in the dtype of ``mu`` (``dtype``: the input's)."""
         if self.project:
-            mu, var = _project(mu, var, full, eps)
+            # The threshold for a degenerate 1ᵀΣ1 is the round-off of the *input* dtype.
+            mu, var = _project(mu, var, full, torch.finfo(dtype).eps)
         elif full:
             var = var.diagonal(dim1=-2, dim2=-1)
         if self.norm is not None:
@@ -418,7 +436,7 @@ class LaplaceBridge:
             c = (reduce(-1, keepdim=True) * math.sqrt(2 / K)).clamp_min(torch.finfo(out).tiny)
             mu, var = mu / c.sqrt(), var / c
         floor = torch.finfo(out).eps if self.min_var is None else self.min_var
-        return mu, var.clamp_min(max(floor, torch.finfo(out).tiny)), out
+        return mu, var.clamp_min(max(floor, torch.finfo(out).tiny))
 
 
 def laplace_bridge(
@@ -433,8 +451,14 @@ def laplace_bridge(
     return LaplaceBridge(norm=norm, min_var=min_var, project=project)(f_mu, f_var)
 
 
-def _check(f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor, bool]:
-    """Validate, and move classes last: ``([N, *, K], [N, *, K] or [N, K, K], full)``."""
+def _check(f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor, bool, float, float]:
+    """Validate, and move classes last.
+
+    Returns:
+        ``(μ [N, *, K], Σ [N, *, K] or [N, K, K], full, max |μ|, max Σ)``. The values are
+        checked with one ``aminmax`` pass per tensor and one host synchronisation (NaN
+        propagates through ``aminmax``, so finite extremes mean finite entries).
+    """
     if not isinstance(f_mu, Tensor) or not isinstance(f_var, Tensor):
         raise TypeError("f_mu and f_var must be tensors")
     if f_mu.dim() < 2 or f_mu.shape[1] < 2:
@@ -459,22 +483,30 @@ def _check(f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor, bool]:
         raise TypeError(
             f"f_mu and f_var must share a floating dtype, got {f_mu.dtype}, {f_var.dtype}"
         )
-    if not bool(torch.isfinite(f_mu).all()):
-        raise ValueError("f_mu has non-finite entries")
-    if not bool(torch.isfinite(f_var).all()) or bool((diag < 0).any()):
-        bad = float(diag.min()) if bool(torch.isfinite(diag).all()) else float("nan")
-        raise ValueError(
-            "f_var must be finite with non-negative variances (the diagonal for a covariance); "
-            f"smallest variance {bad}. Zero is allowed: projected variances are floored at min_var"
-        )
+    mu, var = f_mu.detach(), f_var.detach()
+    mu_abs = var_max = 0.0
+    if mu.numel() > 0:
+        stats = [*torch.aminmax(mu), *torch.aminmax(var)]
+        if full:
+            stats.append(diag.detach().amin())
+        mu_lo, mu_hi, var_lo, var_max, *diag_lo = torch.stack(stats).tolist()
+        if not (math.isfinite(mu_lo) and math.isfinite(mu_hi)):
+            raise ValueError("f_mu has non-finite entries")
+        smallest = diag_lo[0] if full else var_lo
+        if not (math.isfinite(var_lo) and math.isfinite(var_max)) or smallest < 0:
+            bad = smallest if math.isfinite(smallest) else float("nan")
+            raise ValueError(
+                "f_var must be finite with non-negative variances (the diagonal for a "
+                f"covariance); smallest variance {bad}. Zero is allowed: projected variances are "
+                "floored at min_var"
+            )
+        mu_abs = max(-mu_lo, mu_hi)
     if full:
-        _check_covariance(f_var.detach())
-    mu = f_mu.detach()
-    var = f_var.detach()
+        _check_covariance(var)
     if not full and mu.dim() > 2:
         # one copy to classes-last memory: the reductions over classes are then contiguous
         mu, var = mu.movedim(1, -1).contiguous(), var.movedim(1, -1).contiguous()
-    return mu, var, full
+    return mu, var, full, mu_abs, var_max
 
 
 def _check_covariance(cov: Tensor) -> None:
@@ -510,17 +542,21 @@ def _check_covariance(cov: Tensor) -> None:
 
 # Largest |logit| computed in float32: log α then has an absolute error of a few 1e-6.
 _FLOAT32_LOGIT_LIMIT = 32.0
+# Largest variance computed in float32: the sum over the classes stays far from overflow.
+_FLOAT32_VAR_LIMIT = 2.0**100
 
 
-def _work_dtype(mu: Tensor, full: bool) -> torch.dtype:
-    """float32 for diagonal inputs of at most float32 precision and moderate logits, else float64.
+def _work_dtype(dtype: torch.dtype, full: bool, mu_abs: float, var_max: float) -> torch.dtype:
+    """float32 for diagonal inputs of at most float32 precision and moderate values, else float64.
 
-    A full covariance's projection cancels (``Σ_kk − (Σ1)_k²/1ᵀΣ1``) and large logits lose
-    absolute precision in ``log α``: both are computed in float64.
+    A full covariance's projection cancels (``Σ_kk − (Σ1)_k²/1ᵀΣ1``), large logits lose
+    absolute precision in ``log α``, and the class sum of variances above ``2^100`` could
+    overflow float32: these are computed in float64. ``mu_abs`` and ``var_max`` are the largest
+    ``|μ|`` and variance of the input (from :func:`_check`, no further pass over the data).
     """
-    if full or mu.dtype == torch.float64 or mu.numel() == 0:
+    if full or dtype == torch.float64:
         return torch.float64
-    if float(mu.abs().max()) > _FLOAT32_LOGIT_LIMIT:
+    if mu_abs > _FLOAT32_LOGIT_LIMIT or var_max > _FLOAT32_VAR_LIMIT:
         return torch.float64
     return torch.float32
 
@@ -540,7 +576,7 @@ def _project(mu: Tensor, var: Tensor, full: bool, eps: float) -> tuple[Tensor, T
     else:
         s = diag = var
         total = var.sum(-1, keepdim=True)
-        new_diag = var * (total - var) / total  # v_k Σ_{l≠k} v_l / Σ v, no cancellation
+        new_diag = _rest_product(var, total)
     K = mu.shape[-1]
     if full:
         scale = diag.abs().sum(-1, keepdim=True)
@@ -563,11 +599,27 @@ def _project(mu: Tensor, var: Tensor, full: bool, eps: float) -> tuple[Tensor, T
         # 1ᵀΣ1 = Σ v_k ≥ max v_k: it vanishes only with all variances.
         degenerate = total <= 0
     safe = torch.where(degenerate, torch.ones_like(total), total)
-    projected_mu = mu - s * mu.sum(-1, keepdim=True) / safe
+    projected_mu = mu - s / safe * mu.sum(-1, keepdim=True)  # s/1ᵀΣ1 first: no underflow
     centred_mu = mu - mu.mean(-1, keepdim=True)
     mu = torch.where(degenerate, centred_mu, projected_mu)
     var = torch.where(degenerate, diag, new_diag.nan_to_num(0.0))
     return mu, var
+
+
+def _rest_product(v: Tensor, total: Tensor) -> Tensor:
+    """``v_k Σ_{l≠k} v_l / Σ_l v_l`` for non-negative ``v``, to a few ulps in any dtype.
+
+    The rest ``Σ_{l≠k} v_l`` is ``total − v_k``, except for a class holding more than half of
+    the total, whose rest is summed directly (the subtraction would cancel: in float32, one
+    variance of 1 beside nine of 1e-6 lost the others' sum to rounding). The product is taken as
+    ``min(v_k, rest) · (max(v_k, rest) / total)``, whose ratio lies in ``[½, 1]``, so it
+    neither overflows nor loses digits to underflow. ``0/0`` (all variances zero) gives NaN.
+    """
+    top = v.amax(-1, keepdim=True)
+    rest_of_top = torch.where(v == top, 0, v).sum(-1, keepdim=True)
+    rest = total - v
+    rest = torch.where(v > rest, rest_of_top, rest)
+    return torch.minimum(v, rest) * (torch.maximum(v, rest) / total)
 
 
 def _log_alpha(mu: Tensor, var: Tensor) -> Tensor:

@@ -424,3 +424,73 @@ def test_float32_inputs_match_float64_to_float32_accuracy(scale):
     # probs = softmax(log α) of a float32 log α: its rounding grows with |log α| ~ |μ|
     tol = 1e-5 * max(1.0, scale / 32)
     torch.testing.assert_close(single.probs.double(), exact.probs, rtol=tol, atol=tol / 100)
+
+
+def _float32_cases():
+    """``(μ, v, kwargs, fallback)``: inputs in float32 and whether float64 must be used."""
+    g = torch.Generator().manual_seed(1)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, dtype=torch.float64)
+
+    mu = (rand(100, 10) * 2 - 1) * 3
+    dominant = rand(100, 10) * 1e-6
+    dominant[:, 0] = 1.0
+    spread = 10 ** (rand(100, 10) * 24 - 12)  # variances from 1e-12 to 1e12 side by side
+    pixel_mu = (rand(2, 10, 8, 8) * 2 - 1) * 5
+    pixel_var = rand(2, 10, 8, 8) ** 8  # per pixel, some classes hold most of the variance
+    floor = {"min_var": 1e-37}  # the float64 reference's floor, not below float32's tiny
+    return {
+        "moderate": (mu, rand(100, 10) * 5, {}, False),
+        "dominant-variance": (mu, dominant, floor, False),
+        "spread-variances": (mu, spread, floor, False),
+        "tiny-variances": (mu, rand(100, 10) * 1e-30, floor, False),
+        "subnormal-variances": (mu, rand(100, 10) * 1e-43, floor, False),
+        "zero-variances": (mu, torch.zeros(100, 10), {"min_var": 1e-6}, False),
+        "huge-variances": (mu, rand(100, 10) * 1e25, {}, False),
+        "huge-variances-fallback": (mu, rand(100, 10) * 1e35, {}, True),
+        "extreme-logits-fallback": (mu * 1e3, rand(100, 10), {}, True),
+        "norm-mean-fallback": (mu, rand(100, 10) * 1e-6 + 1e-7, {"norm": "mean"}, True),
+        "norm-sum": (mu, rand(100, 10) + 0.1, {"norm": "sum"}, False),
+        "per-pixel": (pixel_mu, pixel_var, floor, False),
+        "per-pixel-fallback": (pixel_mu * 10, pixel_var, floor, True),
+    }
+
+
+FLOAT32_CASES = _float32_cases()
+
+
+@pytest.mark.parametrize("case", FLOAT32_CASES.values(), ids=FLOAT32_CASES.keys())
+def test_float32_path_agrees_with_float64_and_falls_back_where_needed(case):
+    mu, var, kwargs, fallback = case
+    mu, var = mu.float(), var.float()  # the same inputs in both dtypes
+    exact = laplace_bridge(mu.double(), var.double(), **kwargs)
+    single = laplace_bridge(mu, var, **kwargs)
+    la = single.log_concentration
+    assert la.dtype == single.probs.dtype == single.alpha.dtype == torch.float32
+    assert single.probs.shape == mu.shape
+    assert not la.isnan().any()
+    assert not single.probs.isnan().any()
+    assert not single.concentration.isnan().any()
+    ref = exact.log_concentration
+    if fallback:  # computed in float64, then rounded: the reference's rounding, bit for bit
+        assert torch.equal(la, ref.float())
+    # stated tolerance of the float32 path: |Δ log α| ≤ 1e-5 · max(1, |log α|)
+    err = ((la.double() - ref).abs() / ref.abs().clamp_min(1)).max()
+    assert err <= 1e-5, float(err)
+    # probs = softmax(log α): the float32 rounding of log α, eps·|log α|, carries over
+    tol = 1e-6 * max(1.0, float(ref.abs().max()))
+    torch.testing.assert_close(single.probs.double(), exact.probs, rtol=1e-5, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_give_float32_results_like_float64(dtype):
+    g = torch.Generator().manual_seed(2)
+    mu = ((torch.rand(50, 10, 4, 4, generator=g) * 2 - 1) * 8).to(dtype)
+    var = (torch.rand(50, 10, 4, 4, generator=g) * 3).to(dtype)
+    single = laplace_bridge(mu, var)
+    exact = laplace_bridge(mu.double(), var.double(), min_var=torch.finfo(torch.float32).eps)
+    assert single.log_concentration.dtype == single.probs.dtype == torch.float32
+    assert single.probs.shape == mu.shape
+    err = (single.log_concentration.double() - exact.log_concentration).abs().max()
+    assert err <= 1e-5, float(err)
