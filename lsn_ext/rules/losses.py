@@ -23,9 +23,35 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["MSE", "BCEWithLogits", "CrossEntropy", "Loss", "as_loss"]
+__all__ = [
+    "MSE",
+    "BCEWithLogits",
+    "CrossEntropy",
+    "Loss",
+    "TargetDtypeError",
+    "TargetRangeError",
+    "TargetShapeError",
+    "as_loss",
+]
 
 Reduction = Literal["sum", "mean"]
+
+
+class TargetShapeError(ValueError, RuntimeError):
+    """Targets whose shape does not fit the logits.
+
+    A ``ValueError``, like lsn_ext's other bad-input errors, and a ``RuntimeError``: laplace-torch's
+    own backends (CurvlinopsGGN, BackPackGGN) let torch's loss raise ``RuntimeError`` for the same
+    mistake, so code that catches either keeps working when DiagBackprop replaces them.
+    """
+
+
+class TargetDtypeError(ValueError, RuntimeError):
+    """Class targets that are not integers (``RuntimeError`` from torch's cross-entropy)."""
+
+
+class TargetRangeError(ValueError, IndexError):
+    """Class indices outside ``[0, C)`` (``IndexError`` from torch's cross-entropy)."""
 
 
 def _check_reduction(reduction: str) -> None:
@@ -116,7 +142,7 @@ class BCEWithLogits(Loss):
             if logits.dim() >= 2 and logits.shape[1] == 1 and targets.shape == logits[:, 0].shape:
                 targets = targets.unsqueeze(1)
             else:
-                raise ValueError(
+                raise TargetShapeError(
                     f"BCE targets of shape {tuple(targets.shape)} do not match logits of shape "
                     f"{tuple(logits.shape)}; give targets shaped like the logits (or [N, *] for "
                     "[N, 1, *] logits)"
@@ -203,13 +229,16 @@ class CrossEntropy(Loss):
         if monai_layout and targets.shape[:1] + targets.shape[2:] == expected:
             targets = targets[:, 0]  # MONAI's label maps [N, 1, *spatial]
         if targets.shape != expected:
-            raise ValueError(
-                f"cross-entropy targets must be class indices of shape {tuple(expected)} (or "
-                f"{(expected[0], 1, *expected[1:])}) for logits {tuple(logits.shape)}; got "
-                f"{tuple(targets.shape)}"
+            # [N, 1, *spatial] label maps are accepted for spatial logits only (see above)
+            layouts = f"{tuple(expected)}" + (
+                f" (or {(expected[0], 1, *expected[1:])})" if logits.dim() > 2 else ""
+            )
+            raise TargetShapeError(
+                f"cross-entropy targets must be class indices of shape {layouts} for logits "
+                f"{tuple(logits.shape)}; got {tuple(targets.shape)}"
             )
         if targets.is_floating_point() or targets.is_complex():
-            raise ValueError(
+            raise TargetDtypeError(
                 f"cross-entropy targets must be integer class indices, got dtype {targets.dtype} "
                 "(label maps loaded as floats, e.g. by MONAI's LoadImage: cast them with .long(), "
                 "or add monai.transforms.CastToTyped(keys='label', dtype=torch.long))"
@@ -221,7 +250,7 @@ class CrossEntropy(Loss):
         valid = targets != self.ignore_index
         bad = valid & ((targets < 0) | (targets >= C))
         if bad.any():
-            raise ValueError(
+            raise TargetRangeError(
                 f"cross-entropy target {targets[bad][0].item()} is outside [0, {C}) and not "
                 f"ignore_index={self.ignore_index}"
             )
@@ -302,7 +331,7 @@ class MSE(Loss):
 
     def check(self, logits: Tensor, targets: Tensor) -> Tensor:
         if targets.shape != logits.shape:
-            raise ValueError(
+            raise TargetShapeError(
                 f"MSE targets of shape {tuple(targets.shape)} do not match the outputs' shape "
                 f"{tuple(logits.shape)}"
             )
