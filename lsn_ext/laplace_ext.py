@@ -305,6 +305,12 @@ class DiagBackprop(GGNInterface):
         model: The network; any ``nn.Module`` the native engine supports, run on tensor inputs.
         likelihood: ``"classification"`` or ``"regression"`` (given by laplace-torch).
             Regression outputs must be ``[N, K]``: see the module documentation.
+            ``Laplace(..., "reward_modeling")`` works as with laplace-torch's own backends: it
+            builds the backend with ``"classification"`` (the fit's logits are the ``[N, 2]``
+            rewards of preference pairs) and predicts rewards as a regression, which
+            :func:`predict` follows (identity link). Reward models reshape after their head,
+            so use the default Monte-Carlo estimator (or ``ce_first_step="diag"`` with
+            ``estimator="db"``, whose exact first step needs the head to be the last operation).
         last_layer: Must be false: for last-layer Laplace the built-in backends are exact.
         subnetwork_indices: Set by laplace-torch's subnetwork Laplace.
         dict_key_x: laplace-torch's key of the inputs in dictionary batches (MONAI:
@@ -346,6 +352,13 @@ class DiagBackprop(GGNInterface):
             contradictory ``stochastic``/``num_samples``/``estimator``/``mc_samples``.
         TypeError: For a ``seed`` that is not an int or ``None``, or a non-bool
             ``distributed``.
+
+    For the misuses laplace-torch's own backends also meet (an unknown likelihood, unknown
+    options, dictionary batches without ``dict_key_x``/``dict_key_y``, non-tensor inputs, targets
+    of the wrong shape, dtype or range) the errors have the types those backends raise
+    (``tests/test_laplace_error_types.py``): target errors are lsn_ext's ``ValueError`` and
+    also torch's ``RuntimeError`` (shape, dtype) or ``IndexError`` (class out of range), see
+    :class:`~lsn_ext.rules.losses.TargetShapeError`.
     """
 
     def __init__(
@@ -771,7 +784,7 @@ def _link(la: Any) -> str:
         return la.link
     backend = la.backend
     loss = backend.loss_fn if isinstance(backend, DiagBackprop) else None
-    if la.likelihood == "regression":
+    if la.likelihood in ("regression", "reward_modeling"):  # rewards are predicted as regression
         return "identity"
     if isinstance(loss, BCEWithLogits):
         return "sigmoid"
@@ -1320,7 +1333,8 @@ def gridsearch_prior_precision(
     link = _link(la)
     if link == "identity":
         raise ValueError(
-            "gridsearch_prior_precision needs a classification likelihood; for regression use "
+            "gridsearch_prior_precision needs a classification likelihood; for regression (and "
+            "reward_modeling, whose predictive is a regression) use "
             "la.optimize_prior_precision(method='marglik')"
         )
     _check_n_samples(n_samples)
