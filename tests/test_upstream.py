@@ -1,7 +1,12 @@
-"""The StochMan patches of ``integration/upstream`` apply to the installed release and pass."""
+"""The patches of ``integration/upstream`` apply to the installed release, pass and are styled.
+
+The style check runs each upstream's own linters and formatters (black, isort, flake8 or ruff,
+from the ``dev`` extra) on the files the patches touch.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -14,28 +19,79 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "integration" / "upstream" / "check.py"
 PATCHES = sorted((ROOT / "integration" / "upstream" / "stochman").glob("[0-9]*.patch"))
 
-pytestmark = pytest.mark.skipif(
+needs_git = pytest.mark.skipif(
     shutil.which("git") is None and shutil.which("patch") is None,
     reason="check.py applies the patches with git or patch; neither is installed",
 )
 
 
-def test_stochman_patches_apply_and_pass():
+def _load_check():
+    spec = importlib.util.spec_from_file_location("upstream_check", CHECK)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_git
+def test_stochman_patches_apply_pass_and_follow_upstream_style():
     res = subprocess.run(
         [sys.executable, str(CHECK), "stochman"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
         cwd=ROOT,
     )
     assert res.returncode == 0, res.stdout + res.stderr
     rows = {
-        m.group(1): m.group(2, 3, 4)
+        m.group(1): m.group(2, 3, 4, 5)
         for m in re.finditer(
-            r"^\| stochman \| `([^`]+)` \| (\S+) \| (\S+) \| (\d+) / 0 / ", res.stdout, re.M
+            r"^\| stochman \| `([^`]+)` \| (\S+) \| (\S+) \| (\S+) \| (\d+) / 0 / ",
+            res.stdout,
+            re.M,
         )
     }
     assert sorted(rows) == [p.name for p in PATCHES], res.stdout
-    for name, (applies, passes, n_passed) in rows.items():
-        assert (applies, passes) == ("yes", "yes"), f"{name}: {res.stdout}"
+    for name, (applies, passes, style, n_passed) in rows.items():
+        assert (applies, passes, style) == ("yes", "yes", "yes"), f"{name}: {res.stdout}"
         assert int(n_passed) > 0, f"{name} ran no tests"
+
+
+MISFORMATTED = "import sys\nimport os\nx=[1,2 ,3]\n"  # unsorted, unused, unformatted
+FORMATTED = "x = [1, 2, 3]\n"
+
+
+@pytest.mark.parametrize(
+    ("package", "tools"),
+    [
+        ("backpack", ["black", "isort", "flake8"]),
+        ("stochman", ["black", "isort", "flake8"]),
+        ("laplace", ["ruff check", "ruff format"]),
+    ],
+)
+def test_style_check_reports_misformatted_file(tmp_path, package, tools):
+    check = _load_check()
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "bad.py").write_text(MISFORMATTED)
+    (tmp_path / "pkg" / "good.py").write_text(FORMATTED)
+    problems = check.style_problems(package, tmp_path, ["pkg/bad.py", "pkg/good.py"])
+    assert problems == {"pkg/bad.py": tools, "pkg/good.py": []}
+
+
+def test_style_check_uses_upstream_line_length(tmp_path):
+    """A 97-character line: too long for BackPACK (black: 88, B950: 96), fine for StochMan."""
+    check = _load_check()
+    line = "x = " + " + ".join(["1"] * 24) + "\n"
+    assert 95 < len(line) < 110
+    (tmp_path / "long.py").write_text(line)
+    assert check.style_problems("backpack", tmp_path, ["long.py"]) == {
+        "long.py": ["black", "flake8"]
+    }
+    assert check.style_problems("stochman", tmp_path, ["long.py"]) == {"long.py": []}
+
+
+def test_table_marks_style_problems():
+    check = _load_check()
+    row = check.Row("backpack", "0001-x.patch", True, passed=3, style=["black: a.py"])
+    assert not row.ok
+    assert "| yes | yes | **no**: black: a.py | 3 / 0 / 0 |" in check.table([row])
