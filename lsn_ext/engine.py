@@ -247,10 +247,18 @@ def _check_finite_logits(f: Tensor) -> None:
         )
 
 
+def _booleans(flags: list[Tensor]) -> list[bool]:
+    """Booleans of 0-d tensors with one host synchronisation (not one per parameter)."""
+    if not flags:
+        return []
+    return torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+
+
 def _check_finite_result(diagonals: dict[str, Tensor], dtype: torch.dtype, what: str) -> None:
     """Raise ``FloatingPointError`` naming the first parameter whose diagonal is not finite."""
-    for name, d in diagonals.items():
-        if not bool(torch.isfinite(d).all()):
+    finite = _booleans([torch.isfinite(d).all() for d in diagonals.values()])
+    for name, ok in zip(diagonals, finite, strict=True):
+        if not ok:
             raise FloatingPointError(
                 f"the {what} diagonal of '{name}' is not finite (overflow in {dtype}); check the "
                 "inputs and weights for extreme values, or compute in float64"
@@ -264,11 +272,12 @@ def _check_non_negative(diagonals: dict[str, Tensor]) -> None:
     rounding: ``64 eps`` of the tensor's largest entry) means an operation was propagated with
     ``J`` instead of ``J²``: a bug, or an unsupported operation that slipped through.
     """
-    for name, d in diagonals.items():
-        if d.numel() == 0:
-            continue
-        tol = 64 * torch.finfo(d.dtype).eps * float(d.abs().max())
-        if float(d.min()) < -tol:
+    named = {name: d for name, d in diagonals.items() if d.numel() > 0}
+    negative = _booleans(
+        [d.amin() < -64 * torch.finfo(d.dtype).eps * d.abs().amax() for d in named.values()]
+    )
+    for (name, d), bad in zip(named.items(), negative, strict=True):
+        if bad:
             raise RuntimeError(
                 f"the DB diagonal of '{name}' has negative entries (smallest {float(d.min()):.3g})"
                 ": a GGN diagonal is non-negative, so an operation in forward was propagated "

@@ -175,7 +175,9 @@ def _sample_output_gradient(
         onehot = torch.nn.functional.one_hot(y, p.shape[1]).movedim(-1, 2).to(p.dtype)
         return (p - onehot) * w.sqrt().unsqueeze(1)
     index, values = _hessian_factors(loss, logits, targets)
-    z = torch.randn(mc_samples, index.shape[0], 1, generator=generator, dtype=logits.dtype)
+    z = torch.randn(
+        mc_samples, index.shape[0], 1, generator=generator, dtype=logits.dtype, device=logits.device
+    )
     s = torch.zeros(mc_samples, logits.numel(), dtype=logits.dtype, device=logits.device)
     s.scatter_add_(1, index.reshape(1, -1).expand(mc_samples, -1), (z * values).flatten(1))
     return s.reshape(shape)

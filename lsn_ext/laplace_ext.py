@@ -78,8 +78,40 @@ _NORMS_WITH_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._I
 
 
 def _tensor_bytes(t: Tensor) -> memoryview:
-    """The raw bytes of ``t`` (on the CPU), for hashing."""
-    return memoryview(t.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy())
+    """The raw bytes of a CPU tensor, for hashing (no copy for a contiguous tensor)."""
+    return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+
+
+# (prime p, multiplier a, offset b) of the two 31-bit sums of _fingerprint.
+_FINGERPRINT = ((2_147_483_647, 1_103_515_245, 12_345), (2_147_483_629, 1_664_525, 1_013_904_223))
+_FINGERPRINT_CHUNK = 2**22  # words per step: bounds the int64 temporaries to 32 MiB each
+
+
+def _fingerprint(t: Tensor) -> Tensor:
+    """Two 31-bit fingerprints of ``t``'s bytes, computed on its device: int64 ``[2]``.
+
+    The bytes are read as 32-bit words (16- or 8-bit words for narrower dtypes); word ``u_i``
+    contributes ``((u_i + a·i + b) mod p)² mod p``, summed mod ``p``, for two primes ``p`` just
+    below 2³¹ (words that agree mod one prime differ mod the other). Every intermediate fits in
+    int64 and integer sums are exact, so the result does not depend on the reduction order: it
+    is the same on every run and device, and only these two numbers need reach the host. (On
+    the CPU, where the bytes are at hand, hashing them is cheaper: see ``_batch_generator``.)
+    """
+    flat = t.detach().reshape(-1).contiguous()
+    size = flat.element_size()
+    words = flat.view(torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8)
+    sums = []
+    for p, a, b in _FINGERPRINT:
+        acc = torch.zeros((), dtype=torch.int64, device=words.device)
+        for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
+            u = words[start : start + _FINGERPRINT_CHUNK].long()
+            i = torch.arange(start, start + u.numel(), device=u.device)
+            if start + u.numel() > p:
+                i = i % p
+            x = (u + a * i + b) % p
+            acc = (acc + (x * x % p).sum()) % p
+        sums.append(acc)
+    return torch.stack(sums)
 
 
 def _check_finite(name: str, t: Tensor) -> None:
@@ -258,8 +290,11 @@ class DiagBackprop(GGNInterface):
     laplace-torch with ``1/σ²``).
 
     Reproducibility: by default (``seed=0``) the Monte-Carlo vectors of a batch are a
-    deterministic function of ``(seed, the batch's inputs and targets)`` (a hash of their bytes
-    seeds a fresh generator per batch). A refit on the same data gives the same ``H``, three
+    deterministic function of ``(seed, the batch's inputs and targets)``: a hash of their bytes
+    (on the CPU) or of a fingerprint of them computed on their device (on an accelerator: no
+    copy of the batch to the host, four integers come back) seeds a fresh generator per batch on
+    the batch's device. CPU and CUDA generators differ, so the vectors (not their distribution)
+    depend on the device too. A refit on the same data gives the same ``H``, three
     online fits ``fit(loader, override=False)`` give three times the ``H`` of one, and the
     result does not depend on torch's global random state; different batches (and different
     seeds) still get different vectors. ``seed=None`` draws from torch's global generator
@@ -448,9 +483,14 @@ class DiagBackprop(GGNInterface):
         if ranks is not None:
             # Independent vectors per rank (identical batches on two ranks included).
             digest.update(f"rank {ranks[0]} of {ranks[1]}".encode())
+        on_cpu = x.device.type == "cpu" and y.device.type == "cpu"
         for t in (x, y):
             digest.update(f"{tuple(t.shape)}{t.dtype}".encode())
-            digest.update(_tensor_bytes(t))
+            if on_cpu:
+                digest.update(_tensor_bytes(t))
+        if not on_cpu:  # fingerprints computed on the device: no copy of the batch to the host
+            fingerprints = torch.stack([_fingerprint(x), _fingerprint(y).to(x.device)]).tolist()
+            digest.update(repr(fingerprints).encode())
         batch_seed = int.from_bytes(digest.digest(), "little") & (2**63 - 1)
         return torch.Generator(device=x.device).manual_seed(batch_seed)
 

@@ -168,7 +168,8 @@ def noise_box(images: Tensor, *, generator: torch.Generator | None = None) -> tu
 
     Args:
         images: ``[N, C, S, S]``.
-        generator: Random generator (boxes, then noise).
+        generator: Random generator (boxes, then noise) on the CPU; the images may live on any
+            device.
 
     Returns:
         ``(corrupted, box_masks)``: ``[N, C, S, S]`` and ``[N, 1, S, S]`` booleans.
@@ -181,8 +182,11 @@ def noise_box(images: Tensor, *, generator: torch.Generator | None = None) -> tu
         )
     lo = images.flatten(1).amin(1).view(-1, 1, 1, 1)
     hi = images.flatten(1).amax(1).view(-1, 1, 1, 1)
-    noise = lo + (hi - lo) * torch.rand(images.shape, generator=generator, dtype=images.dtype)
-    return torch.where(masks, noise, images), masks
+    # drawn where the generator lives (the CPU by default), then moved to the images
+    where = images.device if generator is None else generator.device
+    u = torch.rand(images.shape, generator=generator, dtype=images.dtype, device=where)
+    masks = masks.to(images.device)
+    return torch.where(masks, lo + (hi - lo) * u.to(images.device), images), masks
 
 
 def black_box(
@@ -202,7 +206,8 @@ def black_box(
     _, masks = sample_boxes(images.shape[0], _side(images), generator=generator)
     if black is None:
         black = images.flatten(1).amin(1).view(-1, 1, 1, 1)
-    black = torch.as_tensor(black, dtype=images.dtype)
+    black = torch.as_tensor(black, dtype=images.dtype, device=images.device)
+    masks = masks.to(images.device)
     return torch.where(masks, black, images), masks
 
 

@@ -2,6 +2,16 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` when CUDA is not available (with the reason in the report)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA: torch.cuda.is_available() is False")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _float64_and_seed():
     """Float64 by default, a fixed seed, and the global state restored afterwards."""
