@@ -108,6 +108,8 @@ __all__ = [
 ]
 
 Norm = Literal["mean", "sum"] | None
+# Below this many classes BridgeDirichlet.mean computes the softmax in elementwise steps.
+_SHORT_SOFTMAX = 16
 _NORMS = (None, "mean", "sum")
 
 
@@ -206,7 +208,13 @@ class BridgeDirichlet(Dirichlet):
     @property
     def mean(self) -> Tensor:
         """``softmax(log α)``, classes last, ``[N, *, K]``; sums to one exactly."""
-        return torch.softmax(self.log_concentration, -1)
+        la = self.log_concentration
+        if la.shape[-1] >= _SHORT_SOFTMAX:
+            return torch.softmax(la, -1)
+        # the same steps as torch's softmax, whose CPU kernel is ~5× slower over fewer than 16
+        # classes (float32, 10 classes: 0.6 ms against 0.11 ms for 5,000 rows, one thread)
+        e = (la - la.amax(-1, keepdim=True)).exp()
+        return e / e.sum(-1, keepdim=True)
 
     @property
     def variance(self) -> Tensor:
