@@ -290,7 +290,7 @@ def average_precision(scores: Tensor, labels: Tensor) -> float:
         raise ValueError("average_precision needs at least one positive label")
     order = torch.argsort(s, descending=True)
     s, y = s[order], y[order].double()
-    tp, seen = torch.cumsum(y, 0), torch.arange(1, len(y) + 1, dtype=torch.float64)
+    tp, seen = torch.cumsum(y, 0), torch.arange(1, len(y) + 1, dtype=torch.float64, device=y.device)
     last = torch.ones_like(s, dtype=torch.bool)
     last[:-1] = s[1:] != s[:-1]  # the last entry of each run of tied scores
     tp, seen = tp[last], seen[last]
@@ -406,13 +406,13 @@ def _average_ranks(x: Tensor) -> Tensor:
     order = torch.argsort(x, stable=True)
     xs = x[order]
     n = len(x)
-    first = torch.ones(n, dtype=torch.bool)
+    first = torch.ones(n, dtype=torch.bool, device=x.device)
     first[1:] = xs[1:] != xs[:-1]
     group = torch.cumsum(first.long(), 0) - 1
     starts = torch.nonzero(first).flatten().double()
     counts = torch.bincount(group).double()
     mean_rank = starts + (counts + 1) / 2  # average of 1-based ranks start+1 … start+count
-    ranks = torch.empty(n, dtype=torch.float64)
+    ranks = torch.empty(n, dtype=torch.float64, device=x.device)
     ranks[order] = mean_rank[group]
     return ranks
 
@@ -547,7 +547,7 @@ def risk_coverage(uncertainty: Tensor, risk: Tensor) -> tuple[Tensor, Tensor]:
     """
     u, r = _check_risk(uncertainty, risk)
     order = torch.argsort(u, stable=True)
-    k = torch.arange(1, len(r) + 1, dtype=torch.float64)
+    k = torch.arange(1, len(r) + 1, dtype=torch.float64, device=r.device)
     return k / len(r), torch.cumsum(r[order], 0) / k
 
 

@@ -18,7 +18,15 @@ from lsn_ext import bridge_predictive, ggn_diagonal, laplace_bridge, linearized_
 from lsn_ext.data import synthetic_lesions
 from lsn_ext.estimators import _monte_carlo
 from lsn_ext.laplace_ext import DiagBackprop, _fingerprint, predict
-from lsn_ext.metrics import noise_box
+from lsn_ext.metrics import (
+    aurc,
+    average_precision,
+    expected_calibration_error,
+    noise_box,
+    risk_coverage,
+    roc_auc,
+    spearman,
+)
 from lsn_ext.models import UNet
 from lsn_ext.rules.losses import as_loss
 
@@ -91,6 +99,27 @@ def test_fingerprint_and_corruptions_are_the_same_on_the_device():
     assert got.device.type == got_box.device.type == DEVICE.type
     assert torch.equal(got.cpu(), noisy)
     assert torch.equal(got_box.cpu(), box)
+
+
+def test_metrics_on_the_device_match_cpu():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(300, generator=g).round(decimals=1)  # ties
+    labels = torch.rand(300, generator=g) < scores
+    risk = torch.rand(300, generator=g)
+    on = {"scores": scores.to(DEVICE), "labels": labels.to(DEVICE), "risk": risk.to(DEVICE)}
+    assert roc_auc(on["scores"], on["labels"]) == pytest.approx(roc_auc(scores, labels), rel=1e-12)
+    assert average_precision(on["scores"], on["labels"]) == pytest.approx(
+        average_precision(scores, labels), rel=1e-12
+    )
+    assert expected_calibration_error(on["scores"], on["labels"]) == pytest.approx(
+        expected_calibration_error(scores, labels), rel=1e-12
+    )
+    assert aurc(on["scores"], on["risk"]) == pytest.approx(aurc(scores, risk), rel=1e-12)
+    assert spearman(on["scores"], on["risk"]) == pytest.approx(spearman(scores, risk), rel=1e-12)
+    coverage, curve = risk_coverage(on["scores"], on["risk"])
+    assert curve.device.type == DEVICE.type
+    torch.testing.assert_close(curve.cpu(), risk_coverage(scores, risk)[1], **TOL)
+    torch.testing.assert_close(coverage.cpu(), risk_coverage(scores, risk)[0], **TOL)
 
 
 def test_laplace_db_fit_and_predict_on_the_device_match_cpu():
