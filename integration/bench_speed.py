@@ -1,0 +1,487 @@
+"""Speed and memory of GGN-diagonal estimators relative to a training step, in one process.
+
+Run from the repository root::
+
+    ./dev bench speed                          # all parts, saved to results/bench_speed.md
+    ./dev bench speed --quick                  # tiny sizes and networks, a smoke run (not saved)
+    ./dev bench speed --parts time --sizes 64  # only the 64² / 64³ timings
+    ./dev bench speed --device cuda            # on a GPU (timings between synchronisations)
+    ./dev bench speed --threads 1              # the committed run (a busy 2-core CPU)
+
+**Time.** For each network the methods run on the same model and batch (float32, random init,
+seed 0): a training step (forward + summed loss + backward + ``torch.optim.Adam`` step),
+lsn_ext's DB (``ggn_diagonal(..., estimator="db")``) and MC(1) (``estimator="mc",
+mc_samples=1``), and the peers where they install: BackPACK's ``DiagGGNMC`` and
+``DiagGGNExact`` on ``extend(model, use_converter=True)`` (BackPACK 1.7's only route to
+networks with branches such as ``torch.cat`` skips) and curvlinops' GGN diagonal. curvlinops 3.0
+has no per-parameter GGN diagonal: its diagonals are matrix-free estimates of a linear operator,
+``hutchinson_diag`` and ``xdiag``; the row is ``hutchinson_diag(GGNLinearOperator, 1)`` (one
+Rademacher GGN-vector product; its error involves every off-diagonal GGN entry, unlike MC(1)'s;
+this benchmark measures cost, not accuracy). A peer that fails on a network has the reason in its
+row, as raised (BackPACK's converter traces the model with ``torch.fx``; where tracing succeeds,
+the converted graph can still be wired wrongly, and the error then comes from a layer). After one
+warm-up call of each method the methods alternate within each repetition
+(A B C A B C ...), so that load drifts hit all alike; the table gives the median time and the
+median of the per-repetition ratios method / training step. A method whose warm-up took more
+than ``SLOW`` training steps is timed in the first ``--slow-reps`` repetitions only.
+
+Networks: the LSN paper's U-Net (``bench_db``'s, 3 → 1 channels, BCE) at 64² and 128², batch 8;
+MONAI ``BasicUNet`` with its default features (32, 32, 64, 128, 256, 32), instance norm and
+LeakyReLU, 1 → 2 channels, cross-entropy, 2-D at 128² (batch 8) and 3-D at 64³ (batch 1). All in
+eval mode (for these networks the same computation as train mode: no batch norm, no dropout).
+
+**Memory.** Peak memory above the baseline (model, optimizer state, data, after a warm-up) of one
+call, relative to a training step's, for the training step, DB and MC(1) on the 3-D BasicUNet,
+batch 1. Each number comes from a fresh process that builds the model, warms up with the same
+call at full size, frees the gradients and then measures one call: on CPU the kernel's peak-RSS
+counter (VmHWM) is reset through ``/proc/self/clear_refs`` and the peak is VmHWM after the call
+minus the RSS before it (glibc set to return freed memory, so that the RSS follows the live
+tensors; as in ``bench_db``); on CUDA ``torch.cuda.max_memory_allocated`` minus
+``memory_allocated`` before the call.
+
+Targets (issue 28), printed beside the measured ratios: MC(1) ≤ 1.3 × a step on the paper's
+U-Net at 64² and 128², ≤ 1.6 × on BasicUNet 2-D 128² and 3-D 64³; DB ≤ 1.1 × at 64²; peak memory
+≤ 1.25 × a step's for DB and MC(1) on the 3-D BasicUNet at 64³, 96³ and 128³.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from _common import machine
+from bench_db import _batch, _hwm_bytes, _paper_unet, _reset_peak, _rss_bytes
+from torch import nn
+
+import lsn_ext
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_speed.md"
+SLOW = 8.0  # warm-up longer than this many training steps: timed in --slow-reps repetitions
+LR = 1e-6  # Adam's step size: the weights barely move over the repetitions
+QUICK_FEATURES = (4, 4, 8, 8, 16, 4)
+
+METHODS = {
+    "train": "training step",
+    "db": "lsn_ext DB",
+    "mc": "lsn_ext MC(1)",
+    "backpack_mc": "BackPACK DiagGGNMC",
+    "backpack_exact": "BackPACK DiagGGNExact",
+    "curvlinops": "curvlinops hutchinson_diag(GGN, 1)",
+}
+MEMORY_METHODS = ("train", "db", "mc")
+NETWORKS = {
+    "unet": "paper U-Net",
+    "basicunet2d": "MONAI BasicUNet 2-D",
+    "basicunet3d": "MONAI BasicUNet 3-D",
+}
+# (network, edge length, batch, default repetitions: fewer where one call takes tens of seconds)
+TIME_CASES = (
+    ("unet", 64, 8, 10),
+    ("unet", 128, 8, 5),
+    ("basicunet2d", 128, 8, 3),
+    ("basicunet3d", 64, 1, 2),
+)
+QUICK_TIME_CASES = (("unet", 32, 2, 2), ("basicunet2d", 32, 2, 2), ("basicunet3d", 32, 1, 2))
+MEMORY_SIZES, QUICK_MEMORY_SIZES = (64, 96, 128), (32,)
+TIME_TARGETS = {
+    ("unet", 64, "mc"): 1.3,
+    ("unet", 128, "mc"): 1.3,
+    ("basicunet2d", 128, "mc"): 1.6,
+    ("basicunet3d", 64, "mc"): 1.6,
+    ("unet", 64, "db"): 1.1,
+}
+MEMORY_TARGET = 1.25  # DB and MC(1), 3-D BasicUNet at 64³, 96³, 128³
+
+
+@dataclass(frozen=True)
+class Case:
+    """One network at one input size; ``quick`` shrinks BasicUNet's features."""
+
+    net: str
+    size: int
+    batch: int
+    quick: bool
+    device: str
+
+    @property
+    def label(self) -> str:
+        dims = 3 if self.net == "basicunet3d" else 2
+        return f"{NETWORKS[self.net]} {self.size}{'³' if dims == 3 else '²'}, batch {self.batch}"
+
+    @property
+    def loss(self) -> str:
+        return "bce" if self.net == "unet" else "ce"
+
+    def loss_module(self) -> nn.Module:
+        if self.loss == "bce":
+            return nn.BCEWithLogitsLoss(reduction="sum")
+        return nn.CrossEntropyLoss(reduction="sum")
+
+    def build(self) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+        """Model (seed 0, eval mode), inputs and targets, on the device, float32."""
+        torch.manual_seed(0)
+        if self.net == "unet":
+            model = _paper_unet()
+            x, y = _batch(self.batch, self.size)
+        else:
+            from monai.networks.nets import BasicUNet
+
+            dims = 3 if self.net == "basicunet3d" else 2
+            kw = {"features": QUICK_FEATURES} if self.quick else {}
+            model = BasicUNet(spatial_dims=dims, in_channels=1, out_channels=2, **kw)
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(self.batch, 1, *[self.size] * dims, generator=g)
+            y = torch.randint(0, 2, (self.batch, *[self.size] * dims), generator=g)
+        return model.eval().to(self.device), x.to(self.device), y.to(self.device)
+
+
+# --------------------------------------------------------------------------------------------
+# The methods: set-up (model, data, case) → a call to time. Set-up or call may raise.
+# --------------------------------------------------------------------------------------------
+
+
+def _train(model: nn.Module, x, y, case: Case) -> Callable[[], None]:
+    loss_fn = case.loss_module()
+    opt = torch.optim.Adam(model.parameters(), lr=LR)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _lsn(estimator: str) -> Callable:
+    def setup(model: nn.Module, x, y, case: Case) -> Callable[[], None]:
+        return lambda: lsn_ext.ggn_diagonal(model, x, y, case.loss, estimator=estimator)
+
+    return setup
+
+
+def _backpack(extension: str) -> Callable:
+    def setup(model: nn.Module, x, y, case: Case) -> Callable[[], None]:
+        import backpack
+        from backpack import extensions
+
+        net = backpack.extend(copy.deepcopy(model), use_converter=True)
+        loss_fn = backpack.extend(case.loss_module())
+
+        def run() -> None:
+            net.zero_grad(set_to_none=True)
+            with backpack.backpack(getattr(extensions, extension)()):
+                loss_fn(net(x), y).backward()
+
+        return run
+
+    return setup
+
+
+def _curvlinops(model: nn.Module, x, y, case: Case) -> Callable[[], None]:
+    from curvlinops import GGNLinearOperator, hutchinson_diag
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run() -> None:
+        ggn = GGNLinearOperator(
+            model,
+            case.loss_module(),
+            params,
+            [(x, y)],
+            check_deterministic=False,
+            num_data=x.shape[0],
+        )
+        hutchinson_diag(ggn, num_matvecs=1)
+
+    return run
+
+
+SETUPS = {
+    "train": _train,
+    "db": _lsn("db"),
+    "mc": _lsn("mc"),
+    "backpack_mc": _backpack("DiagGGNMC"),
+    "backpack_exact": _backpack("DiagGGNExact"),
+    "curvlinops": _curvlinops,
+}
+
+
+def _reason(err: BaseException) -> str:
+    """The error in one short table cell."""
+    lines = str(err).strip().splitlines() or [""]
+    text = f"{type(err).__name__}: {lines[0]}".replace("|", "/")
+    return text if len(text) <= 140 else text[:137] + "..."
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], object], device: str) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------------------------
+# Time
+# --------------------------------------------------------------------------------------------
+
+
+def time_case(case: Case, reps: int, slow_reps: int) -> dict[str, dict]:
+    """Per method: ``{"times": [...], "ratios": [...]}`` or ``{"error": reason}``."""
+    model, x, y = case.build()
+    calls, out = {}, {}
+    for m, setup in SETUPS.items():
+        stage = "set-up"
+        try:
+            call = setup(model, x, y, case)
+            stage = "call"
+            warm = _timed(call, case.device)
+        except Exception as err:
+            if m == "train":
+                raise
+            out[m] = {"error": f"{stage}: {_reason(err)}"}
+            print(f"  {case.label}: {METHODS[m]} fails: {out[m]['error']}", flush=True)
+            continue
+        calls[m] = call
+        out[m] = {"warmup": warm, "times": []}
+    n_reps = {
+        m: min(reps, slow_reps) if out[m]["warmup"] > SLOW * out["train"]["warmup"] else reps
+        for m in calls
+    }
+    for r in range(reps):
+        for m, call in calls.items():
+            if r < n_reps[m]:
+                out[m]["times"].append(_timed(call, case.device))
+    for m in calls:
+        train = out["train"]["times"]
+        out[m]["ratios"] = [t / s for t, s in zip(out[m]["times"], train, strict=False)]
+    del model, x, y, calls
+    gc.collect()
+    return out
+
+
+def time_table(cases: list[tuple[Case, int]], slow_reps: int) -> str:
+    rows = []
+    for case, reps in cases:
+        res = time_case(case, reps, slow_reps)
+        for m, r in res.items():
+            target = None if case.quick else TIME_TARGETS.get((case.net, case.size, m))
+            if "error" in r:
+                cells = [f"fails: {r['error']}", "—", "0"]
+                verdict = "FAIL (fails)" if target is not None else "—"
+            else:
+                ratio = statistics.median(r["ratios"])
+                cells = [
+                    f"{statistics.median(r['times']) * 1e3:.0f}",
+                    f"{ratio:.2f}",
+                    str(len(r["times"])),
+                ]
+                verdict = "—" if target is None else ("PASS" if ratio <= target else "FAIL")
+            goal = "—" if target is None else f"≤ {target}"
+            rows.append(
+                f"| {case.label} | {METHODS[m]} | " + " | ".join(cells) + f" | {goal} | {verdict} |"
+            )
+            print(rows[-1], flush=True)
+    return "\n".join(
+        [
+            "### Time relative to a training step",
+            "",
+            "Training step = forward + summed loss + backward + Adam step. time: median over the "
+            "repetitions [ms]; ratio: median over the repetitions of (method's time / the "
+            "training step's time in the same repetition); reps: timed repetitions after one "
+            "warm-up call (fewer for a method slower than "
+            f"{SLOW:g} steps at warm-up).",
+            "",
+            "| network | method | time [ms] | ratio to step | reps | target | result |",
+            "|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Memory
+# --------------------------------------------------------------------------------------------
+
+
+def memory_worker(case: Case, method: str) -> dict:
+    """Peak memory of one call above the baseline, in this fresh process (see the docstring)."""
+    model, x, y = case.build()
+    call = SETUPS[method](model, x, y, case)
+    call()  # warm-up at full size: kernels, thread pools, optimizer state
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if case.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        call()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        if not _reset_peak():
+            raise RuntimeError("peak memory on CPU needs /proc/self/clear_refs (Linux ≥ 4.0)")
+        base = _rss_bytes()
+        call()
+        peak = _hwm_bytes()
+    return {"baseline": base, "peak_increase": peak - base}
+
+
+def _measure_memory(case: Case, method: str) -> dict:
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_memory-worker",
+        json.dumps({**asdict(case), "method": method}),
+        "--threads",
+        str(torch.get_num_threads()),
+    ]
+    # As in bench_db: a fixed mmap threshold and trimming make the RSS follow live tensors.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory worker failed ({method}, {case.label}):\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def memory_table(cases: list[Case]) -> str:
+    rows = []
+    for case in cases:
+        mib = {m: _measure_memory(case, m)["peak_increase"] / 2**20 for m in MEMORY_METHODS}
+        for m in MEMORY_METHODS:
+            ratio = mib[m] / mib["train"]
+            target = None if case.quick or m == "train" else MEMORY_TARGET
+            verdict = "—" if target is None else ("PASS" if ratio <= target else "FAIL")
+            goal = "—" if target is None else f"≤ {target}"
+            rows.append(
+                f"| {case.label} | {METHODS[m]} | {mib[m]:.0f} | {ratio:.2f} | {goal} | {verdict} |"
+            )
+            print(rows[-1], flush=True)
+    counter = (
+        "`torch.cuda.max_memory_allocated()` − `memory_allocated()` before the call"
+        if cases and cases[0].device.startswith("cuda")
+        else "peak RSS (VmHWM, reset via `/proc/self/clear_refs` after the warm-up) − RSS "
+        "before the call"
+    )
+    return "\n".join(
+        [
+            "### Peak memory relative to a training step",
+            "",
+            f"One call in a fresh process per cell, after a full-size warm-up; peak: {counter}. "
+            "The baseline holds the model, the Adam state (training step), the data and the "
+            "warm-up's left-overs; gradients are freed before the measured call.",
+            "",
+            "| network | method | peak above baseline [MiB] | ratio to step | target | result |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _header(args: argparse.Namespace) -> str:
+    load = os.getloadavg()
+    cpus = os.cpu_count() or 1
+    device = args.device
+    if device.startswith("cuda"):
+        device += f" ({torch.cuda.get_device_name(device)})"
+    busy = (
+        f" The load exceeded the {cpus} logical CPUs: other jobs shared the machine, so the "
+        "times are contended; the paired ratios are the figures least affected."
+        if load[0] > cpus
+        else ""
+    )
+    return (
+        f"{machine()} Device: {device}. Load average (1, 5, 15 min) at the start: "
+        f"{load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}.{busy}"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and networks")
+    parser.add_argument(
+        "--parts", nargs="+", choices=["time", "memory"], default=["time", "memory"]
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        type=int,
+        help="time only the networks at these edge lengths (default: all)",
+    )
+    parser.add_argument(
+        "--memory-sizes",
+        nargs="+",
+        type=int,
+        help="3-D edge lengths for the memory part (default 64 96 128)",
+    )
+    parser.add_argument("--reps", type=int, help="timed repetitions (default: 10 to 2 by size)")
+    parser.add_argument(
+        "--slow-reps",
+        type=int,
+        default=2,
+        help=f"repetitions for a method slower than {SLOW:g} steps at warm-up",
+    )
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
+    parser.add_argument("--_memory-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_default_dtype(torch.float32)
+
+    torch.set_num_threads(args.threads)
+    if args._memory_worker:
+        spec = json.loads(args._memory_worker)
+        method = spec.pop("method")
+        print(json.dumps(memory_worker(Case(**spec), method)))
+        return
+
+    time_cases = [
+        (Case(net, size, batch, args.quick, args.device), args.reps or reps)
+        for net, size, batch, reps in (QUICK_TIME_CASES if args.quick else TIME_CASES)
+        if args.sizes is None or size in args.sizes
+    ]
+    memory_sizes = args.memory_sizes or (QUICK_MEMORY_SIZES if args.quick else MEMORY_SIZES)
+    memory_cases = [Case("basicunet3d", s, 1, args.quick, args.device) for s in memory_sizes]
+
+    t0 = time.perf_counter()
+    sections = [
+        "## Speed and memory against a training step" + (" (--quick)" if args.quick else ""),
+        _header(args),
+    ]
+    if "time" in args.parts:
+        sections.append(time_table(time_cases, args.slow_reps))
+    if "memory" in args.parts:
+        sections.append(memory_table(memory_cases))
+    load = os.getloadavg()
+    sections.append(
+        f"Total benchmark time: {time.perf_counter() - t0:.0f} s; load average at the end: "
+        f"{load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}."
+    )
+    text = "\n\n".join(sections) + "\n"
+    print("\n" + text)
+    if not args.quick:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(text)
+        print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""``integration/bench_speed.py --quick``: every method × network row, finite positive ratios."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "integration" / "bench_speed.py"
+METHODS = (
+    "training step",
+    "lsn_ext DB",
+    "lsn_ext MC(1)",
+    "BackPACK DiagGGNMC",
+    "BackPACK DiagGGNExact",
+    "curvlinops hutchinson_diag(GGN, 1)",
+)
+NETWORKS = ("paper U-Net 32²", "MONAI BasicUNet 2-D 32²", "MONAI BasicUNet 3-D 32³")
+
+
+def _rows(section: str) -> list[list[str]]:
+    return [
+        [c.strip() for c in line.strip("|").split("|")]
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith("| network")
+    ]
+
+
+@pytest.fixture(scope="module")
+def report() -> str:
+    # A subprocess: the script runs in float32, the suite's default dtype is float64.
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--threads", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=1200,
+    )
+    return out.stdout.split("## Speed and memory", 1)[1]
+
+
+@pytest.mark.slow
+def test_time_table_has_every_method_and_network(report):
+    time_part = report.split("### Time", 1)[1].split("### Peak memory", 1)[0]
+    rows = {(r[0].split(",")[0], r[1]): r for r in _rows(time_part)}
+    assert set(rows) == {(n, m) for n in NETWORKS for m in METHODS}
+    for (net, method), cells in rows.items():
+        if cells[2].startswith("fails: "):  # a peer that fails says why
+            assert not method.startswith(("training", "lsn_ext")), (net, method, cells[2])
+            assert len(cells[2]) > len("fails: set-up: ")
+            continue
+        assert float(cells[2]) > 0
+        ratio = float(cells[3])
+        assert 0 < ratio < math.inf
+        assert int(cells[4]) >= 1
+    assert all(rows[n, "training step"][3] == "1.00" for n in NETWORKS)
+
+
+@pytest.mark.slow
+def test_memory_table_has_positive_peaks_and_ratios(report):
+    memory_part = report.split("### Peak memory", 1)[1]
+    rows = _rows(memory_part)
+    assert [(r[0].split(",")[0], r[1]) for r in rows] == [
+        ("MONAI BasicUNet 3-D 32³", m) for m in ("training step", "lsn_ext DB", "lsn_ext MC(1)")
+    ]
+    for cells in rows:
+        assert float(cells[2]) > 0  # MiB above the baseline
+        ratio = float(cells[3])
+        assert 0 < ratio < math.inf
+
+
+@pytest.mark.slow
+def test_header_records_torch_threads_device_and_load(report):
+    header = report.split("### Time", 1)[0]
+    assert "torch threads 1" in header
+    assert "Device: cpu." in header
+    assert "Load average (1, 5, 15 min) at the start" in header
