@@ -380,7 +380,8 @@ class _RuleFunction(torch.autograd.Function):
         rule = call.rule
         fwd = call.forward_mode
         inplace = getattr(call.module, "inplace", False)
-        x_in = x.clone() if (rule.needs_input or fwd) and inplace else x
+        keep_x, keep_y = rule.reads_input(call.module), rule.reads_output(call.module)
+        x_in = x.clone() if (keep_x or fwd) and inplace else x
         y = call.run(x)
         if y is x:
             ctx.mark_dirty(x)
@@ -390,7 +391,7 @@ class _RuleFunction(torch.autograd.Function):
             # A detached alias shares storage and version counter but is no view.
             y = y.detach()
         ctx.call = call
-        ctx.save_for_backward(x_in if rule.needs_input else None, y if rule.needs_output else None)
+        ctx.save_for_backward(x_in if keep_x else None, y if keep_y else None)
         ctx.like = ((x.shape, x.dtype), (y.shape, y.dtype))
         if fwd:
             # Not ctx.save_for_forward: it keeps the output on the node, and the output keeps

@@ -550,6 +550,11 @@ NORM_NETS = {
         nn.InstanceNorm2d(4, affine=True),
         nn.LeakyReLU(0.1, inplace=True),
     ),
+    # A negative slope: the rule reads (a copy of) the input instead of the output.
+    "instancenorm-affine-leakyrelu-negative-slope-inplace": lambda: (
+        nn.InstanceNorm2d(4, affine=True),
+        nn.LeakyReLU(-0.2, inplace=True),
+    ),
     "instancenorm-running-stats-tanh": lambda: (
         nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
         nn.Tanh(),

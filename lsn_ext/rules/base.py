@@ -161,6 +161,19 @@ class Rule:
         diags = self.param_rule(module, x, y, m_out) if need_params else {}
         return m_in, diags
 
+    def reads_input(self, module: nn.Module) -> bool:
+        """Whether the rule reads the values of ``module``'s input (``needs_input`` by default).
+
+        Adapters keep the input alive only when this is True, and clone it before an in-place
+        layer overwrites it. Rules whose answer depends on the configuration override this (and
+        :meth:`reads_output`) together.
+        """
+        return self.needs_input
+
+    def reads_output(self, module: nn.Module) -> bool:
+        """Whether the rule reads the values of ``module``'s output (default: ``needs_output``)."""
+        return self.needs_output
+
     def is_autograd_exact(self, module: nn.Module) -> bool:
         """Whether the ordinary backward pass of ``module`` already is its DB step.
 

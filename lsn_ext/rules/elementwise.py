@@ -97,9 +97,24 @@ class ReLURule(ElementwiseRule):
 
 
 class LeakyReLURule(ElementwiseRule):
-    """``φ'(x) = 1`` for ``x > 0``, else ``negative_slope`` (squared: ``slope²``)."""
+    """``φ'(x) = 1`` for ``x > 0``, else ``negative_slope`` (squared: ``slope²``).
+
+    For ``negative_slope ≥ 0`` (every common configuration) ``y > 0`` exactly when ``x > 0``, so
+    the rule reads the output instead of the input: an in-place LeakyReLU (MONAI's and nnU-Net's
+    default) then needs no copy of its input, whose storage the output overwrites, and the
+    output is the tensor that the next layer keeps anyway. A negative slope makes ``y > 0`` on
+    both sides of 0, so the input is read then.
+    """
+
+    def reads_input(self, module: nn.LeakyReLU) -> bool:
+        return module.negative_slope < 0
+
+    def reads_output(self, module: nn.LeakyReLU) -> bool:
+        return module.negative_slope >= 0
 
     def derivative(self, module: nn.LeakyReLU, x: Tensor, y: Tensor) -> Tensor:
+        if self.reads_output(module):
+            return torch.where(y > 0, 1.0, module.negative_slope).to(y.dtype)
         return torch.where(x > 0, 1.0, module.negative_slope).to(x.dtype)
 
 

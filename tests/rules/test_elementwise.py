@@ -12,6 +12,8 @@ MODULES = {
     "sigmoid": nn.Sigmoid,
     "relu": nn.ReLU,
     "leaky-relu-0.2": lambda: nn.LeakyReLU(0.2),
+    "leaky-relu-0": lambda: nn.LeakyReLU(0.0),
+    "leaky-relu-negative-slope": lambda: nn.LeakyReLU(-0.3),
     "elu-0.7": lambda: nn.ELU(0.7),
     "silu": nn.SiLU,
     "gelu": nn.GELU,
@@ -44,6 +46,32 @@ def test_parameter_free_rule_matches_jacrev(make):
     module = make()
     x = 3 * torch.randn(2, 3, 4)
     assert_rule_matches(get_rule(module), module, x)
+
+
+@pytest.mark.parametrize("make", MODULES.values(), ids=MODULES.keys())
+def test_a_rule_reads_no_tensor_it_says_it_does_not_read(make):
+    """Adapters pass a shape-only (meta) tensor for what ``reads_input``/``reads_output`` deny."""
+    module = make()
+    rule = get_rule(module)
+    x = 3 * torch.randn(2, 3, 4)
+    x[0, 0, :2] = 0.0  # the kink of the piecewise-linear maps
+    y = module(x)
+    m_out = torch.rand_like(y)
+    expected = rule.input_rule(module, x, y, m_out)
+    x_seen = x if rule.reads_input(module) else torch.empty_like(x, device="meta")
+    y_seen = y if rule.reads_output(module) else torch.empty_like(y, device="meta")
+    torch.testing.assert_close(rule.input_rule(module, x_seen, y_seen, m_out), expected)
+
+
+@pytest.mark.parametrize(
+    ("slope", "reads_input", "reads_output"),
+    [(0.01, False, True), (0.0, False, True), (-0.3, True, False)],
+    ids=["slope-0.01", "slope-0", "negative-slope"],
+)
+def test_leaky_relu_reads_its_output_unless_the_slope_is_negative(slope, reads_input, reads_output):
+    module = nn.LeakyReLU(slope, inplace=True)
+    rule = get_rule(module)
+    assert (rule.reads_input(module), rule.reads_output(module)) == (reads_input, reads_output)
 
 
 @pytest.mark.parametrize(
