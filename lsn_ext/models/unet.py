@@ -164,6 +164,23 @@ class UNet(nn.Module):
             ValueError: If ``x`` is not 4-D, has the wrong number of channels, or ``H``/``W``
                 is not divisible by ``2 ** (L - 1)``.
         """
+        # Under symbolic tracing (torch.fx, as BackPACK's converter does) x has no shape.
+        if not isinstance(x, torch.fx.Proxy):
+            self._check_input(x)
+
+        skips: list[Tensor] = []
+        for level, encoder in enumerate(self.encoders):
+            if level > 0:
+                x = self.pools[level - 1](x)
+            x = encoder(x)
+            skips.append(x)
+        skips.pop()  # the bottleneck is not a skip
+        for up, decoder in zip(self.ups, self.decoders, strict=True):
+            x = decoder(torch.cat([skips.pop(), up(x)], dim=1))
+        return self.head(x)
+
+    def _check_input(self, x: Tensor) -> None:
+        """The input checks of :meth:`forward` (see its ``Raises``)."""
         if x.dim() != 4:
             raise ValueError(f"UNet expects images [N, C, H, W], got shape {tuple(x.shape)}")
         if x.shape[1] != self.in_channels:
@@ -178,17 +195,6 @@ class UNet(nn.Module):
                 f"2**{len(self.widths) - 1} = {self.divisor}; got input shape {tuple(x.shape)} "
                 "(pad or crop the images, or use fewer levels)"
             )
-
-        skips: list[Tensor] = []
-        for level, encoder in enumerate(self.encoders):
-            if level > 0:
-                x = self.pools[level - 1](x)
-            x = encoder(x)
-            skips.append(x)
-        skips.pop()  # the bottleneck is not a skip
-        for up, decoder in zip(self.ups, self.decoders, strict=True):
-            x = decoder(torch.cat([skips.pop(), up(x)], dim=1))
-        return self.head(x)
 
     def extra_repr(self) -> str:
         """The widths and the upsampling, shown in ``repr(model)``."""

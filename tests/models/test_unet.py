@@ -123,3 +123,13 @@ def test_bad_inputs(case):
     net = UNet(3, 1, widths=(2, 3, 4))
     with pytest.raises(ValueError, match=match):
         net(torch.zeros(shape))
+
+
+def test_symbolic_tracing_skips_the_input_checks_and_keeps_the_network():
+    """torch.fx (BackPACK's converter) traces the U-Net; real inputs are still checked."""
+    net = UNet(3, 2, widths=(4, 8)).eval()
+    traced = torch.fx.symbolic_trace(net)
+    x = torch.randn(2, 3, 16, 16)
+    torch.testing.assert_close(traced(x), net(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="UNet expects images"):
+        net(torch.randn(3, 16, 16))
