@@ -94,11 +94,17 @@ def reference(grid: list[Config]) -> Config:
     return max((c for c in grid if c.objective == "logsumexp"), key=lambda c: (c.rank, c.samples))
 
 
-def configs(quick: bool = False, samples: tuple[int, ...] | None = None) -> list[Config]:
+def configs(
+    quick: bool = False,
+    samples: tuple[int, ...] | None = None,
+    ranks: tuple[int, ...] | None = None,
+) -> list[Config]:
     """The grid (quick: rank {0, 2} × M {1, 4} × both losses, 6 configurations); ``samples``
-    restricts M (e.g. ``(1, 20)`` when the budget allows no more)."""
-    ranks, all_samples = ((0, 2), (1, 4)) if quick else ((0, 1, 10), (1, 5, 20, 100))
+    restricts M and ``ranks`` the ranks (e.g. ``(1, 20)`` and ``(10,)`` when the budget allows
+    no more)."""
+    all_ranks, all_samples = ((0, 2), (1, 4)) if quick else ((0, 1, 10), (1, 5, 20, 100))
     samples = all_samples if samples is None else tuple(m for m in all_samples if m in samples)
+    ranks = all_ranks if ranks is None else tuple(r for r in all_ranks if r in ranks)
     out = []
     for r in ranks:
         for m in samples:
@@ -432,6 +438,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default=None, help="e.g. 0-4 (default 0-4; quick 0,1)")
     parser.add_argument("--samples", default=None, help="restrict M, e.g. 1,20 (default all)")
+    parser.add_argument("--ranks", default=None, help="restrict the rank, e.g. 10 (default all)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--cache", type=Path, default=None, help="default results/.cache/...")
     parser.add_argument("--out", type=Path, default=None, help="default integration/results")
@@ -441,7 +448,10 @@ def main(argv: list[str] | None = None) -> Path:
     budget = QUICK if args.quick else ub.ConvergedBudget()
     seeds = lp._seeds(args.seeds or ("0,1" if args.quick else "0-4"))
     samples = tuple(int(m) for m in args.samples.split(",")) if args.samples else None
-    grid = configs(args.quick, samples)
+    ranks = tuple(int(r) for r in args.ranks.split(",")) if args.ranks else None
+    grid = configs(args.quick, samples, ranks)
+    if not grid:
+        parser.error(f"--samples {args.samples} and --ranks {args.ranks} select no configuration")
     tmp = Path(tempfile.mkdtemp(prefix="ssn-objective-")) if args.quick else None
     out = args.out or (tmp if tmp else RESULTS)
     root = args.cache or ((tmp / "cache") if tmp else RESULTS / ".cache" / "uncertainty")

@@ -38,6 +38,14 @@ def test_full_grid_is_rank_by_samples_by_loss(bench):
     assert len({s.tag() for s in specs.values()}) == 21  # distinct cache keys and seeds
 
 
+def test_the_grid_can_be_restricted_by_samples_and_rank(bench):
+    grid = bench.configs(samples=(100,), ranks=(10,))
+    assert [c.name for c in grid] == ["r10 M100 Eq. 11", "r10 M100 expected"]
+    assert bench.reference(grid) == bench.Config(10, 100, "logsumexp")
+    with pytest.raises(SystemExit):
+        bench.main(["--samples", "7", "--ranks", "10", "--report-only"])
+
+
 def _stored(pred, truth, var, width):
     band = metrics.boundary_band(truth.double(), width)
     return {
