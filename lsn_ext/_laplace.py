@@ -2,10 +2,10 @@
 
 laplace-torch 0.3 imports ``asdl`` (for its ASDL backends), whose ``asdl.precondition.psgd``
 calls ``torch.jit.script`` at import time; torch 2.13 deprecates that with a
-``DeprecationWarning``, so ``python -W error`` could not import lsn_ext's laplace-torch parts.
-The warning is about asdl, not about anything a user of lsn_ext does: it is ignored for this one
-import only, by its exact message and category. Every lsn_ext module that needs laplace-torch
-imports it from here.
+``DeprecationWarning`` (torch 2.14: a ``FutureWarning``), so ``python -W error`` could not import
+lsn_ext's laplace-torch parts. The warning is about asdl, not about anything a user of lsn_ext
+does: it is ignored for this one import only, by its exact message and those two categories.
+Every lsn_ext module that needs laplace-torch imports it from here.
 
 laplace-torch imports torchmetrics, which imports torchvision when it is installed. A torchvision
 wheel built for another torch (PyPI's CUDA torchvision beside a CPU torch, or another version)
@@ -48,9 +48,11 @@ def _broken_torchvision(err: BaseException) -> ImportError:
 
 try:
     with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=r"`torch\.jit\.script` is deprecated", category=DeprecationWarning
-        )
+        # torch 2.13 warns with a DeprecationWarning, torch 2.14 with a FutureWarning.
+        for category in (DeprecationWarning, FutureWarning):
+            warnings.filterwarnings(
+                "ignore", message=r"`torch\.jit\.script` is deprecated", category=category
+            )
         import laplace
         from laplace import baselaplace
         from laplace.baselaplace import BaseLaplace
