@@ -310,8 +310,26 @@ def test_functional_operations_are_refused_by_convert():
 
 
 def test_shape_checks_in_forward_need_an_example_input():
+    class Checked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            if x.dim() != 2:
+                raise ValueError(f"expected [N, 3], got {tuple(x.shape)}")
+            return self.lin(x)
+
     with pytest.raises(ValueError, match="pass example_input"):
-        convert(UNet(1, 1, widths=(2, 3)))
+        convert(Checked())
+
+
+def test_the_packaged_unet_converts_without_an_example_input():
+    """Its input checks are skipped for a symbolic input (torch.fx), so tracing needs no example."""
+    net = UNet(1, 1, widths=(2, 3)).eval()
+    converted = convert(net)
+    x = torch.randn(2, 1, 8, 8)
+    torch.testing.assert_close(converted(x), net(x))
 
 
 def test_shared_module_with_parameters_is_refused():
