@@ -852,28 +852,24 @@ def _whole_model(
     ]  # fmt: skip
     draws = vectors.shape[0]
 
-    def one(xs: tuple[Tensor, ...], v: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def on_sample(xs: tuple[Tensor, ...]) -> Callable[[dict[str, Tensor]], Tensor]:
+        """The model as a function of ``params`` on one sample (``xs``: its batched arguments)."""
         full = list(args)
         for i, x_n in zip(batched, xs, strict=True):
             full[i] = x_n.unsqueeze(0)
+        return lambda p: functional_call_all(model, p, tuple(full))
 
-        def f(p: dict[str, Tensor]) -> Tensor:
-            return functional_call_all(model, p, tuple(full))
-
-        y, pull = vjp(f, params)
-        grads = [pull(v[k].unsqueeze(0))[0] for k in range(draws)]
+    def stacked(y: Tensor, grads: list[dict[str, Tensor]]) -> tuple[Tensor, dict[str, Tensor]]:
         return y.squeeze(0), {n: torch.stack([g[n] for g in grads]) for n in params}
+
+    def one(xs: tuple[Tensor, ...], v: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        y, pull = vjp(on_sample(xs), params)
+        return stacked(y, [pull(v[k].unsqueeze(0))[0] for k in range(draws)])
 
     def eager(xs: tuple[Tensor, ...], v: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        full = list(args)
-        for i, x_n in zip(batched, xs, strict=True):
-            full[i] = x_n.unsqueeze(0)
-
-        def f(p: dict[str, Tensor]) -> Tensor:
-            return functional_call_all(model, p, tuple(full))
-
-        y, grads = _eager_vjp(f, params, [v[k].unsqueeze(0) for k in range(draws)])
-        return y.squeeze(0), {n: torch.stack([g[n] for g in grads]) for n in params}
+        return stacked(
+            *_eager_vjp(on_sample(xs), params, [v[k].unsqueeze(0) for k in range(draws)])
+        )
 
     size = _chunk(batch, draws * sum(p.numel() for p in params.values()))
     squares: dict[str, Tensor] = {n: torch.zeros_like(p) for n, p in params.items()}
