@@ -5,7 +5,8 @@ Run from the repository root::
     ./dev bench speed                          # all parts, saved to results/bench_speed.md
     ./dev bench speed --quick                  # tiny sizes and networks, a smoke run (not saved)
     ./dev bench speed --parts time --sizes 64  # only the 64² / 64³ timings
-    ./dev bench speed --device cuda            # on a GPU (timings between synchronisations)
+    ./dev bench speed --parts time --cases unet:256:32  # other networks, sizes, batches
+    ./dev bench speed --device cuda --out integration/results/bench_speed_cuda.md  # on a GPU
     ./dev bench speed --threads 1              # the committed run (a busy 2-core CPU)
 
 **Time.** For each network the methods run on the same model and batch (float32, random init,
@@ -397,6 +398,18 @@ def memory_table(cases: list[Case]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _case(text: str) -> tuple[str, int, int, int]:
+    """``NET:SIZE:BATCH`` → a time case (5 repetitions)."""
+    try:
+        net, size, batch = text.split(":")
+        case = (net, int(size), int(batch), 5)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NET:SIZE:BATCH") from None
+    if net not in NETWORKS:
+        raise argparse.ArgumentTypeError(f"unknown network {net!r}; one of {sorted(NETWORKS)}")
+    return case
+
+
 def _header(args: argparse.Namespace) -> str:
     load = os.getloadavg()
     cpus = os.cpu_count() or 1
@@ -433,6 +446,14 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         help="3-D edge lengths for the memory part (default 64 96 128)",
     )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        type=_case,
+        metavar="NET:SIZE:BATCH",
+        help=f"time these cases instead of the default ones; NET in {sorted(NETWORKS)} "
+        "(e.g. unet:256:32 basicunet3d:128:2 for a GPU's sizes)",
+    )
     parser.add_argument("--reps", type=int, help="timed repetitions (default: 10 to 2 by size)")
     parser.add_argument(
         "--slow-reps",
@@ -442,6 +463,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help=f"report file (default {RESULTS.name})"
+    )
     parser.add_argument("--_memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_default_dtype(torch.float32)
@@ -453,9 +477,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(memory_worker(Case(**spec), method)))
         return
 
+    cases = args.cases or (QUICK_TIME_CASES if args.quick else TIME_CASES)
     time_cases = [
         (Case(net, size, batch, args.quick, args.device), args.reps or reps)
-        for net, size, batch, reps in (QUICK_TIME_CASES if args.quick else TIME_CASES)
+        for net, size, batch, reps in cases
         if args.sizes is None or size in args.sizes
     ]
     memory_sizes = args.memory_sizes or (QUICK_MEMORY_SIZES if args.quick else MEMORY_SIZES)
@@ -478,9 +503,9 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n\n".join(sections) + "\n"
     print("\n" + text)
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(text)
-        print(f"written to {RESULTS}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"written to {args.out}")
 
 
 if __name__ == "__main__":

@@ -265,6 +265,32 @@ def _check_finite_result(diagonals: dict[str, Tensor], dtype: torch.dtype, what:
             )
 
 
+def _round_off(t: Tensor) -> float:
+    """The relative rounding of arithmetic on ``t``: its dtype's ``eps``, or TF32's ``2⁻¹⁰``.
+
+    On CUDA, float32 convolutions (and matrix products, where enabled) round their inputs to
+    TF32's 10-bit mantissa by default (``torch.backends.cudnn.allow_tf32``), so two float32
+    computations of the same quantity, a batched and a per-sample one, agree only to about
+    ``2⁻¹⁰``, not to float32's ``2⁻²³``. The round-off checks scale with this number.
+    """
+    eps = torch.finfo(t.dtype).eps
+    if t.dtype == torch.float32 and t.device.type == "cuda":
+        backends = torch.backends
+        if backends.cudnn.allow_tf32 or backends.cuda.matmul.allow_tf32:
+            return max(eps, 2.0**-10)
+    return eps
+
+
+def _sum_tolerance(t: Tensor) -> float:
+    """Relative tolerance for two sums of the same terms in a different order (``t``'s dtype).
+
+    ``10³ eps`` in float64 and float32 (many terms, cancellation); ``16 u`` where the rounding
+    ``u`` is that of TF32 or a half type, whose ``10³ u`` would be no check at all.
+    """
+    u = _round_off(t)
+    return 1e3 * u if u <= torch.finfo(torch.float32).eps else 16 * u
+
+
 def _check_non_negative(diagonals: dict[str, Tensor]) -> None:
     """Raise ``RuntimeError`` naming the first parameter whose DB diagonal is negative.
 
@@ -273,9 +299,7 @@ def _check_non_negative(diagonals: dict[str, Tensor]) -> None:
     ``J`` instead of ``J²``: a bug, or an unsupported operation that slipped through.
     """
     named = {name: d for name, d in diagonals.items() if d.numel() > 0}
-    negative = _booleans(
-        [d.amin() < -64 * torch.finfo(d.dtype).eps * d.abs().amax() for d in named.values()]
-    )
+    negative = _booleans([d.amin() < -64 * _round_off(d) * d.abs().amax() for d in named.values()])
     for (name, d), bad in zip(named.items(), negative, strict=True):
         if bad:
             raise RuntimeError(

@@ -80,7 +80,9 @@ from lsn_ext.engine import (
     _check_finite_logits,
     _check_finite_result,
     _check_inputs,
+    _round_off,
     _select_params,
+    _sum_tolerance,
     check_logits,
     diag_backprop,
 )
@@ -419,7 +421,7 @@ def _check_replay(replayed: Tensor, batched: Tensor, what: str) -> None:
             f"batched forward gave {tuple(batched.shape)}: its forward does not treat the "
             "samples of dim 0 independently"
         )
-    eps = torch.finfo(batched.dtype).eps
+    eps = _round_off(batched)
     scale = float(batched.abs().max()) if batched.numel() else 0.0
     err = float((replayed - batched).abs().max()) if batched.numel() else 0.0
     if not err <= math.sqrt(eps) * (1.0 + scale):
@@ -471,13 +473,14 @@ def _gather(
             continue
         scale = max(float(got.abs().sum(0).max()), float(expected.abs().max()))
         err = float((got.sum(0) - expected).abs().max())
-        eps = torch.finfo(expected.dtype).eps
+        eps = _round_off(expected)
         if scale <= math.sqrt(eps) * floor:
             # Gradients at round-off level, e.g. zero in exact arithmetic but amplified noise
             # (GroupNorm over one value per group: x̂ = 0 up to rounding / √eps_gn). Whatever
             # the capture did, their squares are below eps of the draw's largest: no check.
             continue
-        if not err <= max(1e3 * eps, 1e-9) * scale + 1e3 * eps * floor:
+        tol = _sum_tolerance(expected)
+        if not err <= max(tol, 1e-9) * scale + tol * floor:
             lost[name] = f"they sum to a different gradient ({err:.3g} off at {scale:.3g})"
     return per_sample, lost
 
@@ -900,10 +903,10 @@ def _whole_model(
     floor = max((float(g.abs().max()) for g in expected.values()), default=0.0)
     for n, got in sums.items():
         want = expected.get(n, torch.zeros_like(got))
-        eps = torch.finfo(got.dtype).eps
+        eps, tol = _round_off(got), _sum_tolerance(got)
         scale = max(float(got.abs().max()), float(want.abs().max()))
         err = float((got - want).abs().max())
-        if scale > math.sqrt(eps) * floor and not err <= 1e3 * eps * (scale + floor) + 1e-9 * scale:
+        if scale > math.sqrt(eps) * floor and not err <= tol * (scale + floor) + 1e-9 * scale:
             raise RuntimeError(
                 f"the per-sample gradients of '{n}' through the whole model sum to a different "
                 f"gradient than the batch's ({err:.3g} off at {scale:.3g}): the model's forward "

@@ -294,8 +294,9 @@ class DiagBackprop(GGNInterface):
     (on the CPU) or of a fingerprint of them computed on their device (on an accelerator: no
     copy of the batch to the host, four integers come back) seeds a fresh generator per batch on
     the batch's device. CPU and CUDA generators differ, so the vectors (not their distribution)
-    depend on the device too. A refit on the same data gives the same ``H``, three
-    online fits ``fit(loader, override=False)`` give three times the ``H`` of one, and the
+    depend on the device too. A refit on the same data gives the same ``H`` (on CUDA up to the
+    rounding of its non-deterministic sums, unless ``torch.use_deterministic_algorithms(True)``),
+    three online fits ``fit(loader, override=False)`` give three times the ``H`` of one, and the
     result does not depend on torch's global random state; different batches (and different
     seeds) still get different vectors. ``seed=None`` draws from torch's global generator
     instead (a refit then differs).

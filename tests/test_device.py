@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lsn_ext import laplace_ext
-from lsn_ext.engine import _check_finite_result, _check_non_negative
+from lsn_ext.engine import _check_finite_result, _check_non_negative, _round_off, _sum_tolerance
 from lsn_ext.laplace_ext import DiagBackprop, _fingerprint
 from lsn_ext.metrics import black_box, noise_box, sample_boxes
 from lsn_ext.models import UNet
@@ -89,6 +89,22 @@ def test_curvature_checks_name_the_first_bad_parameter():
         RuntimeError, match=r"DB diagonal of 'c' has negative entries \(smallest -0\.5"
     ):
         _check_non_negative({"a": rounding, "b": torch.zeros(0), "c": torch.tensor([1.0, -0.5])})
+
+
+@pytest.mark.parametrize(
+    ("dtype", "tolerance"),
+    [
+        pytest.param(torch.float64, 1e3 * 2.0**-52, id="float64"),
+        pytest.param(torch.float32, 1e3 * 2.0**-23, id="float32"),
+        pytest.param(torch.float16, 16 * 2.0**-10, id="float16"),
+        pytest.param(torch.bfloat16, 16 * 2.0**-7, id="bfloat16"),
+    ],
+)
+def test_round_off_checks_scale_with_the_dtype_on_the_cpu(dtype, tolerance):
+    """On the CPU no TF32: the dtype's eps (the CUDA float32 case is in test_gpu.py)."""
+    t = torch.zeros(2, dtype=dtype)
+    assert _round_off(t) == torch.finfo(dtype).eps
+    assert _sum_tolerance(t) == pytest.approx(tolerance)
 
 
 def test_corruptions_draw_on_the_generator_and_keep_their_values():

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lsn_ext import bridge_predictive, ggn_diagonal, laplace_bridge, linearized_variance
 from lsn_ext.data import synthetic_lesions
+from lsn_ext.engine import _round_off
 from lsn_ext.estimators import _monte_carlo
 from lsn_ext.laplace_ext import DiagBackprop, _fingerprint, predict
 from lsn_ext.metrics import (
@@ -80,14 +81,17 @@ def test_monte_carlo_on_the_device_matches_cpu_with_the_same_vectors():
         dev, x.to(DEVICE), y.to(DEVICE), as_loss("ce"), 2, None, None, noise=z.to(DEVICE)
     )
     torch.testing.assert_close(got.vector.cpu(), cpu.vector, **TOL)
-    # the public call draws its vectors on the device: the same generator seed, the same estimate
+    # the public call draws its vectors on the device: the same generator seed, the same
+    # estimate (to rounding: CUDA's convolution gradients sum in a non-deterministic order),
+    # another seed, another estimate
     runs = [
         ggn_diagonal(
-            dev, x.to(DEVICE), y.to(DEVICE), "ce", generator=torch.Generator(DEVICE).manual_seed(3)
+            dev, x.to(DEVICE), y.to(DEVICE), "ce", generator=torch.Generator(DEVICE).manual_seed(s)
         ).vector
-        for _ in range(2)
+        for s in (3, 3, 4)
     ]
-    assert torch.equal(runs[0], runs[1])
+    torch.testing.assert_close(runs[0], runs[1], **TOL)
+    assert not torch.allclose(runs[0], runs[2], rtol=1e-3)
     assert bool(torch.isfinite(runs[0]).all())
 
 
@@ -157,14 +161,14 @@ def test_laplace_monte_carlo_fit_on_the_device_is_a_function_of_seed_and_batch()
     first = la.H.clone()
     torch.manual_seed(1234)  # the global random state does not matter
     la.fit(DataLoader(TensorDataset(x, m), batch_size=2))
-    assert torch.equal(la.H, first)
+    torch.testing.assert_close(la.H, first, **TOL)  # to CUDA's non-deterministic sums
     assert bool(torch.isfinite(first).all())
     batches = [(x[i : i + 2].to(DEVICE), m[i : i + 2].to(DEVICE)) for i in range(0, 6, 2)]
     generators = [la.backend._batch_generator(xb, yb) for xb, yb in batches]
     assert all(g.device.type == DEVICE.type for g in generators)
     assert len({g.initial_seed() for g in generators}) == len(batches)
     other = fitted(dev, x, m, seed=1)
-    assert not torch.equal(other.H, first)
+    assert not torch.allclose(other.H, first, rtol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -190,3 +194,52 @@ def test_bridge_on_the_device_matches_cpu_float64(dtype):
     top = got.topk(0.05, 3)
     assert top.count.device.type == DEVICE.type
     assert torch.equal(top.count.cpu(), ref.topk(0.05, 3).count)
+
+
+def test_round_off_follows_the_tf32_setting():
+    t = torch.zeros(1, device=DEVICE, dtype=torch.float32)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+        assert _round_off(t) == 2.0**-10
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            assert _round_off(t) == torch.finfo(torch.float32).eps
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+    assert _round_off(t.double()) == torch.finfo(torch.float64).eps
+
+
+@pytest.mark.parametrize(
+    ("tf32", "tolerance"),
+    [pytest.param(False, 1e-4, id="ieee-float32"), pytest.param(True, 5e-2, id="tf32")],
+)
+def test_monte_carlo_in_float32_on_cuda_matches_cpu_float64(tf32, tolerance):
+    """MONAI's BasicUNet in float32 on CUDA against float64 on the CPU, from the same vectors.
+
+    With TF32 convolutions (cuDNN's default for float32) the per-sample replay agrees with the
+    batched forward to TF32's rounding only; the estimator's checks must accept that (they
+    refused it once). The estimate is then as accurate as TF32 allows (within 5 % in norm for
+    this network); with TF32 off, to float32's accuracy.
+    """
+    monai = pytest.importorskip("monai")
+    net = monai.networks.nets.BasicUNet(spatial_dims=2, in_channels=1, out_channels=2).eval()
+    dev = copy.deepcopy(net).float().to(DEVICE)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 1, 32, 32, generator=g)
+    y = (x[:, 0] > 0).long()
+    z = (torch.randint(0, 2, (1, 4, 2, 32, 32), generator=g) * 2 - 1).double()
+    ref = _monte_carlo(net, x, y, as_loss("ce"), 1, None, None, noise=z).vector
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
+            got = _monte_carlo(
+                dev, x.float().to(DEVICE), y.to(DEVICE), as_loss("ce"), 1, None, None,
+                noise=z.float().to(DEVICE),
+            ).vector  # fmt: skip
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+    assert got.dtype == torch.float32
+    rel = float((got.cpu().double() - ref).norm() / ref.norm())
+    assert rel < tolerance, rel
