@@ -196,8 +196,10 @@ def _check_inputs(model: nn.Module, args: Sequence[Any]) -> None:
             "off even inside torch.enable_grad(); call the fit (or this function) outside the "
             "inference_mode block (torch.no_grad() is fine)"
         )
-    for name, p in model.named_parameters():
-        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+    floating = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
+    finite_params = _booleans([torch.isfinite(p.detach()).all() for _, p in floating])
+    for (name, p), ok in zip(floating, finite_params, strict=True):
+        if not ok:
             bad = int((~torch.isfinite(p)).sum())
             raise ValueError(
                 f"parameter '{name}' {tuple(p.shape)} has {bad} non-finite (NaN or inf) "
