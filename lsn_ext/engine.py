@@ -197,7 +197,7 @@ def _check_inputs(model: nn.Module, args: Sequence[Any]) -> None:
             "inference_mode block (torch.no_grad() is fine)"
         )
     floating = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
-    finite_params = _booleans([torch.isfinite(p.detach()).all() for _, p in floating])
+    finite_params = _finite([p for _, p in floating])
     for (name, p), ok in zip(floating, finite_params, strict=True):
         if not ok:
             bad = int((~torch.isfinite(p)).sum())
@@ -256,9 +256,22 @@ def _booleans(flags: list[Tensor]) -> list[bool]:
     return torch.stack([f.to(flags[0].device) for f in flags]).tolist()
 
 
+def _finite(tensors: list[Tensor]) -> list[bool]:
+    """Per tensor, whether all its entries are finite, with one host synchronisation.
+
+    One pass per tensor: its sum is non-finite if an entry is (NaN and ±inf propagate), so a
+    finite sum proves the tensor finite. Only a tensor whose sum is not finite (a non-finite
+    entry, or finite entries whose sum overflows) is then checked entry by entry. Half types
+    are summed in float32.
+    """
+    sums = [t.detach().sum(dtype=torch.float32 if t.element_size() < 4 else None) for t in tensors]
+    flags = _booleans([torch.isfinite(total) for total in sums])
+    return [ok or bool(torch.isfinite(t).all()) for t, ok in zip(tensors, flags, strict=True)]
+
+
 def _check_finite_result(diagonals: dict[str, Tensor], dtype: torch.dtype, what: str) -> None:
     """Raise ``FloatingPointError`` naming the first parameter whose diagonal is not finite."""
-    finite = _booleans([torch.isfinite(d).all() for d in diagonals.values()])
+    finite = _finite(list(diagonals.values()))
     for name, ok in zip(diagonals, finite, strict=True):
         if not ok:
             raise FloatingPointError(
@@ -301,7 +314,13 @@ def _check_non_negative(diagonals: dict[str, Tensor]) -> None:
     ``J`` instead of ``J²``: a bug, or an unsupported operation that slipped through.
     """
     named = {name: d for name, d in diagonals.items() if d.numel() > 0}
-    negative = _booleans([d.amin() < -64 * _round_off(d) * d.abs().amax() for d in named.values()])
+    extremes = [torch.aminmax(d) for d in named.values()]  # max |d| = max(max d, −min d)
+    negative = _booleans(
+        [
+            lo < -64 * _round_off(d) * torch.maximum(hi, -lo)
+            for d, (lo, hi) in zip(named.values(), extremes, strict=True)
+        ]
+    )
     for (name, d), bad in zip(named.items(), negative, strict=True):
         if bad:
             raise RuntimeError(

@@ -199,11 +199,15 @@ def _direct_sample_grads(
     """Per-sample gradients of a plain convolution or ``nn.Linear`` without replaying it.
 
     The weight gradient of one sample needs only its input and output gradient: for a
-    convolution ``aten.convolution_backward`` with only the weight (and bias) outputs, mapped
-    over the samples; for ``nn.Linear`` ``g_nᵀ x_n`` summed over the other axes. The replay of
+    convolution one ``aten.convolution_backward`` with only the weight (and bias) outputs, the
+    samples folded into the channels as ``N · groups`` groups (input ``[1, N·C_in, *S]``,
+    output gradient ``[1, N·C_out, *S']``, the weight repeated ``N`` times: the weight
+    gradient ``[N·C_out, C_in/groups, *k]`` is the ``N`` per-sample ones; what ``vmap`` of the
+    kernel computes, without its per-call overhead); for ``nn.Linear`` ``g_nᵀ x_n`` summed
+    over the other axes. The replay of
     :meth:`_Owner.sample_grads` also runs the module's forward again; these do not. ``None``
     for any other module, a module whose ``forward`` was replaced on the instance, a
-    convolution with another padding mode or a padding string, and where the mapped kernel
+    convolution with another padding mode or a padding string, and where the grouped kernel
     fails (the caller then replays the module).
 
     Returns:
@@ -222,26 +226,27 @@ def _direct_sample_grads(
     dims = _CONV_DIMS.get(type(module))
     if dims is None or module.padding_mode != "zeros" or isinstance(module.padding, str):
         return None
-    wanted = [n for n in ("weight", "bias") if n in names]
-    if not wanted:
+    if not (want_w or want_b):
         return {}
     w = module.weight.detach()
-    has_bias = module.bias is not None
-    mask = [False, want_w, want_b and has_bias]
-
-    def one(x_n: Tensor, g_n: Tensor) -> tuple[Tensor, ...]:
-        _, gw, gb = torch.ops.aten.convolution_backward(
-            g_n.unsqueeze(0), x_n.unsqueeze(0), w, [w.shape[0]] if has_bias else None,
-            module.stride, module.padding, module.dilation, False, [0] * dims, module.groups,
-            mask,
-        )  # fmt: skip
-        return tuple(t for t, n in ((gw, "weight"), (gb, "bias")) if n in wanted)
-
+    n = x.shape[0]
     try:
-        grads = vmap(one)(x.contiguous(), g.contiguous())
-    except RuntimeError:  # a kernel's batching limit ("grad_weight must be contiguous"): replay
+        _, gw, gb = torch.ops.aten.convolution_backward(
+            g.contiguous().reshape(1, -1, *g.shape[2:]),
+            x.contiguous().reshape(1, -1, *x.shape[2:]),
+            w.repeat(n, *[1] * (w.dim() - 1)),
+            [n * w.shape[0]] if module.bias is not None else None,
+            module.stride, module.padding, module.dilation, False, [0] * dims, n * module.groups,
+            [False, want_w, want_b],
+        )  # fmt: skip
+    except RuntimeError:  # a kernel's limit on the grouped form: replay the module instead
         return None
-    return dict(zip(wanted, grads, strict=True))
+    grads: dict[str, Tensor] = {}
+    if want_w:
+        grads["weight"] = gw.view(n, *w.shape)
+    if want_b:
+        grads["bias"] = gb.view(n, w.shape[0])
+    return grads
 
 
 # Modules that torch refuses to run on a batch of one in some shapes although they treat samples
