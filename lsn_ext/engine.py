@@ -27,6 +27,7 @@ the duration of the call only and removed in a ``finally`` block; parameters, bu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -265,7 +266,11 @@ def _finite(tensors: list[Tensor]) -> list[bool]:
     are summed in float32.
     """
     sums = [t.detach().sum(dtype=torch.float32 if t.element_size() < 4 else None) for t in tensors]
-    flags = _booleans([torch.isfinite(total) for total in sums])
+    if not sums:
+        return []
+    dtype = functools.reduce(torch.promote_types, (total.dtype for total in sums))
+    device = sums[0].device
+    flags = torch.isfinite(torch.stack([t.to(device, dtype) for t in sums])).tolist()
     return [ok or bool(torch.isfinite(t).all()) for t, ok in zip(tensors, flags, strict=True)]
 
 

@@ -230,11 +230,13 @@ def _direct_sample_grads(
         return {}
     w = module.weight.detach()
     n = x.shape[0]
+    # The weight's values do not enter its gradient, only its shape: zeros of the grouped
+    # weight's shape stand in for the weight repeated N times (no copy of it).
     try:
         _, gw, gb = torch.ops.aten.convolution_backward(
             g.contiguous().reshape(1, -1, *g.shape[2:]),
             x.contiguous().reshape(1, -1, *x.shape[2:]),
-            w.repeat(n, *[1] * (w.dim() - 1)),
+            w.new_zeros(n * w.shape[0], *w.shape[1:]),
             [n * w.shape[0]] if module.bias is not None else None,
             module.stride, module.padding, module.dilation, False, [0] * dims, n * module.groups,
             [False, want_w, want_b],

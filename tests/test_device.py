@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from lsn_ext import laplace_ext
-from lsn_ext.engine import _check_finite_result, _check_non_negative, _round_off, _sum_tolerance
+from lsn_ext.engine import (
+    _check_finite_result,
+    _check_non_negative,
+    _finite,
+    _round_off,
+    _sum_tolerance,
+)
 from lsn_ext.laplace_ext import DiagBackprop, _fingerprint
 from lsn_ext.metrics import black_box, noise_box, sample_boxes
 from lsn_ext.models import UNet
@@ -89,6 +95,24 @@ def test_curvature_checks_name_the_first_bad_parameter():
         RuntimeError, match=r"DB diagonal of 'c' has negative entries \(smallest -0\.5"
     ):
         _check_non_negative({"a": rounding, "b": torch.zeros(0), "c": torch.tensor([1.0, -0.5])})
+
+
+def test_finite_is_exact_where_the_sum_overflows_or_cancels():
+    """One sum per tensor decides, and a non-finite sum is rechecked entry by entry."""
+    inf, nan = float("inf"), float("nan")
+    cases = {
+        "finite": (torch.tensor([1.0, 2.0]), True),
+        "nan": (torch.tensor([1.0, nan]), False),
+        "inf - inf": (torch.tensor([inf, -inf]), False),
+        "sum overflows": (torch.tensor([3e38, 3e38], dtype=torch.float32), True),
+        "half near its max": (torch.tensor([6e4, 6e4], dtype=torch.float16), True),
+        "half inf": (torch.tensor([1.0, inf], dtype=torch.float16), False),
+        "empty": (torch.zeros(0), True),
+        "complex": (torch.tensor([1 + 2j]), True),
+    }
+    got = _finite([t for t, _ in cases.values()])
+    assert dict(zip(cases, got, strict=True)) == {k: ok for k, (_, ok) in cases.items()}
+    assert _finite([]) == []
 
 
 @pytest.mark.parametrize(
