@@ -8,7 +8,9 @@ early stopping on validation Dice (every 50 steps, patience 4, not before step 3
 evaluation's weights), on the synthetic ISIC-like lesions (``lsn_ext.data.lesion_dataset``):
 
 - U-Net + Dropout and U-Net + LA (BCE reweighted by 4, as in ``lsn_paper.py``), and
-- the LSN on an SSN (rank 10, Eq. 11 with M = 20, no reweighting) with each curvature of
+- the LSN on an SSN (rank 10, no reweighting; trained with Eq. 11 with M = 20, or with
+  ``--ssn-loss expected`` the per-pixel expected BCE under its logit distribution, the demo's
+  default) with each curvature of
   :func:`lsn_ext.lsn.fit_lsn`: ``"ce"`` (the BCE at the mean logits), ``"expected"`` (the
   per-pixel expected BCE under the SSN's logit distribution) and ``"logsumexp"`` (the PSD part
   of Eq. 11's Hessian);
@@ -21,8 +23,8 @@ share); and shift detection: AUROC of the per-image entropy of each model's tota
 (clean against shifted test images, the four ``lsn_paper.SHIFTS`` at their middle strength,
 averaged), beside the MAP U-Net's entropy and a model-free image-statistics score.
 
-Run: ``./dev bench lsn_budget [--caps 128,512,2048] [--seeds 0-4] [--workers 2] [--quick]
-[--report-only]``; writes
+Run: ``./dev bench lsn_budget [--caps 128,512,2048] [--seeds 0-4] [--ssn-loss expected]
+[--workers 2] [--quick] [--report-only]``; writes
 ``integration/results/lsn_budget.md`` and ``lsn_budget_per_seed.csv``.
 """
 
@@ -55,6 +57,7 @@ RESULTS = lp.RESULTS
 DATASET = "lesions"
 CAPS = (128, 512, 2048)
 CURVATURES = ("ce", "expected", "logsumexp")
+SSN_LOSSES = {"logsumexp": "Eq. 11 with M = 20", "expected": "the expected BCE (M = 20)"}
 MODELS = ("U-Net + Dropout", "U-Net + LA", *(f"LSN ({c})" for c in CURVATURES))
 N_SAMPLES = 64
 N_ALEATORIC = 16
@@ -76,7 +79,14 @@ def _marglik(la: object) -> float:
     return float(la.prior_precision)
 
 
-def unit(cache: ub.ConvergedCache, cap: int, seed: int, quick: bool) -> dict:
+def _key(cap: int, seed: int, ssn_loss: str) -> str:
+    key = f"budget-{DATASET}-c{cap}-s{seed}"
+    return key if ssn_loss == "logsumexp" else f"{key}-{ssn_loss}"
+
+
+def unit(
+    cache: ub.ConvergedCache, cap: int, seed: int, quick: bool, ssn_loss: str = "logsumexp"
+) -> dict:
     """Train (or load) the three networks at one budget and seed, fit the posteriors, measure."""
 
     def compute() -> dict:
@@ -88,7 +98,8 @@ def unit(cache: ub.ConvergedCache, cap: int, seed: int, quick: bool) -> dict:
         unet_do, rec_do = cache.net_and_record(
             lp.NetSpec("unet", dropout=b.dropout), data, UNET_FACTOR, seed
         )
-        ssn, rec_ssn = cache.net_and_record(lp.NetSpec("ssn", rank=b.rank), data, 1, seed)
+        ssn_spec = lp.NetSpec("ssn", rank=b.rank, objective=ssn_loss)
+        ssn, rec_ssn = cache.net_and_record(ssn_spec, data, 1, seed)
         train = lp._loader(data.train_x, data.train_y, 64)
         t0 = time.perf_counter()
         la_unet = lp._laplace(unet, UNET_FACTOR, "mc", seed)
@@ -163,14 +174,14 @@ def unit(cache: ub.ConvergedCache, cap: int, seed: int, quick: bool) -> dict:
         out["fit seconds"] = fit_seconds
         return out
 
-    return cache.result(f"budget-{DATASET}-c{cap}-s{seed}", compute)
+    return cache.result(_key(cap, seed, ssn_loss), compute)
 
 
 def _run_unit(args: tuple) -> tuple[tuple, float]:
-    root, cap, seed, quick = args
+    root, cap, seed, quick, ssn_loss = args
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    unit(ub.ConvergedCache(root, budget(cap, quick)), cap, seed, quick)
+    unit(ub.ConvergedCache(root, budget(cap, quick)), cap, seed, quick, ssn_loss)
     return ("budget", cap, seed), time.perf_counter() - t0
 
 
@@ -182,14 +193,19 @@ def _shift_mean(d: dict) -> float:
     return sum(d.values()) / len(d)
 
 
-def write_report(root: Path, caps: list[int], seeds: list[int], out: Path, quick: bool) -> Path:
+def write_report(
+    root: Path,
+    caps: list[int],
+    seeds: list[int],
+    out: Path,
+    quick: bool,
+    ssn_loss: str = "logsumexp",
+) -> Path:
     res: dict[int, list[tuple[int, dict]]] = {}
     for cap in caps:
         cache = ub.ConvergedCache(root, budget(cap, quick))
         res[cap] = [
-            (s, r)
-            for s in seeds
-            if (r := cache.stored(f"budget-{DATASET}-c{cap}-s{s}")) is not None
+            (s, r) for s in seeds if (r := cache.stored(_key(cap, s, ssn_loss))) is not None
         ]
     rows, csv_rows, paired = [], [], []
     for cap in caps:
@@ -294,7 +310,8 @@ def write_report(root: Path, caps: list[int], seeds: list[int], out: Path, quick
             f"{b.n_train} training, {b.n_val} validation, {b.n_test} test images; U-Net widths "
             f"{'-'.join(map(str, b.widths))}; step caps {', '.join(map(str, caps))} with early "
             f"stopping on validation Dice (every {b.eval_every} steps, patience {b.patience}, not "
-            f"before step {b.min_steps}); SSN rank {b.rank}, Eq. 11 with M = 20; Laplace: "
+            f"before step {b.min_steps}); SSN rank {b.rank}, trained with "
+            f"{SSN_LOSSES[ssn_loss]}; Laplace: "
             "Monte-Carlo GGN diagonal, prior by scalar marginal likelihood; "
             f"{N_SAMPLES} posterior / dropout samples ({N_ALEATORIC} logit samples each for "
             f"the LSN's total predictive); {b.n_shift} images per shift set; {b.n_eval} "
@@ -354,6 +371,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, default=None, help="default integration/results")
     parser.add_argument("--quick", action="store_true", help="tiny sizes into a temporary dir")
     parser.add_argument("--report-only", action="store_true", help="only write the report")
+    parser.add_argument(
+        "--ssn-loss",
+        choices=sorted(SSN_LOSSES),
+        default="logsumexp",
+        help="the SSN's training loss",
+    )
     args = parser.parse_args(argv)
     seeds = lp._seeds(args.seeds or ("0,1" if args.quick else "0-4"))
     caps = [int(c) for c in args.caps.split(",") if c]
@@ -361,9 +384,13 @@ def main(argv: list[str] | None = None) -> Path:
     out = args.out or (tmp if tmp else RESULTS)
     root = args.cache or ((tmp / "cache") if tmp else RESULTS / ".cache" / "uncertainty")
     # Seed by seed, the largest budget first within a seed.
-    work = [] if args.report_only else [(root, c, s, args.quick) for s in seeds for c in caps[::-1]]
+    work = (
+        []
+        if args.report_only
+        else [(root, c, s, args.quick, args.ssn_loss) for s in seeds for c in caps[::-1]]
+    )
     run_units("lsn_budget", _run_unit, work, args.workers)
-    path = write_report(root, caps, seeds, out, args.quick)
+    path = write_report(root, caps, seeds, out, args.quick, args.ssn_loss)
     print(path.read_text())
     print(f"written to {path}")
     return path

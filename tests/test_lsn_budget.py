@@ -50,3 +50,16 @@ def test_quick_run_reports_every_budget_and_model(bench, quick_run):
         rows = list(csv.DictReader(f))
     per_model = {(r["step_cap"], r["model"], r["seed"]) for r in rows}
     assert len(per_model) == len(bench.CAPS) * 2 * (len(bench.MODELS) + 3)
+
+
+@pytest.mark.slow
+def test_the_ssn_loss_gets_its_own_results_and_says_so(bench, quick_run, tmp_path):
+    """``--ssn-loss expected`` never reads the Eq. 11 run's results, and its report names it."""
+    out, text = quick_run
+    assert "trained with Eq. 11 with M = 20" in text
+    assert bench._key(128, 0, "expected") != bench._key(128, 0, "logsumexp")
+    argv = ["--quick", "--seeds", "0,1", "--cache", str(out / "cache"), "--report-only"]
+    other = bench.main([*argv, "--ssn-loss", "expected", "--out", str(tmp_path)]).read_text()
+    assert "trained with the expected BCE (M = 20)" in other
+    results = other.split("## Results per budget")[1].split("\n## ")[0]
+    assert not any(f"| {cap} | LSN (ce) |" in results for cap in bench.CAPS)
