@@ -301,13 +301,13 @@ def _round_off(t: Tensor) -> float:
     return eps
 
 
-def _sum_tolerance(t: Tensor) -> float:
-    """Relative tolerance for two sums of the same terms in a different order (``t``'s dtype).
+def _sum_tolerance(u: float) -> float:
+    """Relative tolerance for two sums of the same terms in a different order, at rounding ``u``.
 
-    ``10³ eps`` in float64 and float32 (many terms, cancellation); ``16 u`` where the rounding
-    ``u`` is that of TF32 or a half type, whose ``10³ u`` would be no check at all.
+    ``u`` is :func:`_round_off` of the sums. ``10³ u`` in float64 and float32 (many terms,
+    cancellation); ``16 u`` where ``u`` is that of TF32 or a half type, whose ``10³ u`` would be
+    no check at all.
     """
-    u = _round_off(t)
     return 1e3 * u if u <= torch.finfo(torch.float32).eps else 16 * u
 
 

@@ -486,7 +486,7 @@ def _gather(
             # (GroupNorm over one value per group: x̂ = 0 up to rounding / √eps_gn). Whatever
             # the capture did, their squares are below eps of the draw's largest: no check.
             continue
-        tol = _sum_tolerance(expected)
+        tol = _sum_tolerance(eps)
         if not err <= max(tol, 1e-9) * scale + tol * floor:
             lost[name] = f"they sum to a different gradient ({err:.3g} off at {scale:.3g})"
     return per_sample, lost
@@ -910,7 +910,8 @@ def _whole_model(
     floor = max((float(g.abs().max()) for g in expected.values()), default=0.0)
     for n, got in sums.items():
         want = expected.get(n, torch.zeros_like(got))
-        eps, tol = _round_off(got), _sum_tolerance(got)
+        eps = _round_off(got)
+        tol = _sum_tolerance(eps)
         scale = max(float(got.abs().max()), float(want.abs().max()))
         err = float((got - want).abs().max())
         if scale > math.sqrt(eps) * floor and not err <= tol * (scale + floor) + 1e-9 * scale:

@@ -128,7 +128,7 @@ def test_round_off_checks_scale_with_the_dtype_on_the_cpu(dtype, tolerance):
     """On the CPU no TF32: the dtype's eps (the CUDA float32 case is in test_gpu.py)."""
     t = torch.zeros(2, dtype=dtype)
     assert _round_off(t) == torch.finfo(dtype).eps
-    assert _sum_tolerance(t) == pytest.approx(tolerance)
+    assert _sum_tolerance(_round_off(t)) == pytest.approx(tolerance)
 
 
 def test_corruptions_draw_on_the_generator_and_keep_their_values():
