@@ -4,6 +4,7 @@ Usage::
 
     ./dev bench volume                 # 20 volumes of 96³, MONAI BasicUNet, ~10 min on 2 cores
     ./dev bench volume --quick         # 3 volumes of 32³, small network (the test)
+    ./dev bench volume --device cuda   # on a GPU: writes bench_volume_cuda.md
 
 MONAI's ``BasicUNet`` (3-D, its default features, random init, eval mode) on synthetic volumes
 (a noisy ellipsoid each, two classes, batch 1, float32):
@@ -17,15 +18,15 @@ MONAI's ``BasicUNet`` (3-D, its default features, random init, eval mode) on syn
 
 Each stage's wall time and its peak memory above the memory held before it (peak RSS, ``VmHWM``
 reset through ``/proc/self/clear_refs``, as in ``bench_db``; glibc's mmap threshold fixed so
-that freed blocks return to the system), and that peak relative to the training step's. Writes
-``integration/results/bench_volume.md`` (``--out``).
+that freed blocks return to the system; on CUDA ``torch.cuda.max_memory_allocated`` above the
+allocated memory before it), and that peak relative to the training step's. Writes
+``integration/results/bench_volume.md`` (``bench_volume_cuda.md`` on CUDA; ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_db  # the RSS counters
+from _common import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -58,8 +60,20 @@ def volumes(n: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return images[:, None], labels
 
 
-def measured(fn: Callable[[], object]) -> tuple[object, float, int]:
-    """``fn()``, its wall time in seconds and its peak RSS above the RSS before it, in bytes."""
+def measured(fn: Callable[[], object], device: str = "cpu") -> tuple[object, float, int]:
+    """``fn()``, its wall time in seconds and its peak memory above that before it, in bytes.
+
+    CPU: peak RSS; CUDA: the allocator's peak (``max_memory_allocated``).
+    """
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        return out, seconds, torch.cuda.max_memory_allocated() - base
     if not bench_db._reset_peak():
         raise RuntimeError("peak memory needs /proc/self/clear_refs (Linux ≥ 4.0)")
     base = bench_db._rss_bytes()
@@ -78,7 +92,8 @@ def run(args: argparse.Namespace) -> str:
     torch.manual_seed(0)
     kw = {"features": QUICK_FEATURES} if args.quick else {}
     model = BasicUNet(spatial_dims=3, in_channels=1, out_channels=2, **kw).eval()
-    x, y = volumes(args.volumes, args.size)
+    model.to(args.device)
+    x, y = (t.to(args.device) for t in volumes(args.volumes, args.size))
     loader = DataLoader(TensorDataset(x, y), batch_size=1)
     loss_fn = torch.nn.CrossEntropyLoss()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -92,7 +107,7 @@ def run(args: argparse.Namespace) -> str:
 
     step()  # warm-up
     rows = []
-    _, t, peak = measured(step)
+    _, t, peak = measured(step, args.device)
     rows.append(("training step (1 volume)", t, peak))
     model.load_state_dict(state)  # the Laplace approximation of the untrained network
     la = Laplace(
@@ -102,17 +117,19 @@ def run(args: argparse.Namespace) -> str:
         hessian_structure="diag",
         backend=lsn_ext.DiagBackprop,
     )
-    _, t, peak = measured(lambda: la.fit(loader, progress_bar=False))
+    _, t, peak = measured(lambda: la.fit(loader, progress_bar=False), args.device)
     rows.append((f"Laplace.fit ({args.volumes} volumes, Monte Carlo)", t, peak))
     _, t, peak = measured(
-        lambda: la.optimize_prior_precision(method="marglik", n_steps=args.marglik_steps)
+        lambda: la.optimize_prior_precision(method="marglik", n_steps=args.marglik_steps),
+        args.device,
     )
     rows.append((f"marglik ({args.marglik_steps} steps)", t, peak))
     maps, t, peak = measured(
         lambda: [
             lsn_ext.predict(la, x[i : i + 1], n_samples=args.samples, pred_type="glm")
             for i in range(args.predict)
-        ]
+        ],
+        args.device,
     )
     rows.append((f"predict, glm, {args.samples} samples ({args.predict} volumes)", t, peak))
     finite = all(bool(m.variance.isfinite().all() and (m.variance >= 0).all()) for m in maps)
@@ -124,13 +141,21 @@ def run(args: argparse.Namespace) -> str:
 
 def _report(args: argparse.Namespace, rows: list, prior: float, n_params: int) -> str:
     step_peak = rows[0][2]
+    cuda = args.device.startswith("cuda")
+    device = f"cuda ({torch.cuda.get_device_name(args.device)})" if cuda else "cpu"
+    memory = (
+        "Peak memory: `torch.cuda.max_memory_allocated()` during the stage minus "
+        "`memory_allocated()` at its start."
+        if cuda
+        else "Peak memory: peak RSS (`VmHWM`, reset through `/proc/self/clear_refs` before each "
+        "stage) minus the RSS at the stage's start, with glibc's mmap threshold fixed (freed "
+        "blocks go back to the system)."
+    )
     lines = [
         "# A Laplace workflow on 3-D volumes",
         "",
-        f"Generated by `integration/bench_volume.py{' --quick' if args.quick else ''}`. Machine: "
-        f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical CPUs; Python "
-        f"{platform.python_version()}, torch {torch.__version__}, torch threads "
-        f"{torch.get_num_threads()}. MONAI BasicUNet 3-D ({n_params:,} parameters, random "
+        f"Generated by `integration/bench_volume.py{' --quick' if args.quick else ''}`. "
+        f"{machine()} Device: {device}. MONAI BasicUNet 3-D ({n_params:,} parameters, random "
         f"init), {args.volumes} synthetic volumes of {args.size}³, batch 1, float32; prior "
         f"precision chosen by marglik: {prior:.3g}.",
         "",
@@ -142,13 +167,15 @@ def _report(args: argparse.Namespace, rows: list, prior: float, n_params: int) -
         lines.append(f"| {name} | {seconds:.1f} | {peak / 2**20:.0f} | {peak / step_peak:.2f} |")
     lines += [
         "",
-        "Peak memory: peak RSS (`VmHWM`, reset through `/proc/self/clear_refs` before each stage) "
-        "minus the RSS at the stage's start, with glibc's mmap threshold fixed (freed blocks go "
-        "back to the system). Times are one run each, on a machine that may be shared; read them "
-        "as orders of magnitude.",
+        f"{memory} Times are one run each, on a machine that may be shared; read them as orders "
+        "of magnitude.",
         "",
     ]
     return "\n".join(lines)
+
+
+def _name(device: str) -> str:
+    return "bench_volume_cuda.md" if device.startswith("cuda") else "bench_volume.md"
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -160,7 +187,8 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--samples", type=int, default=8, help="predictive samples (default 8)")
     parser.add_argument("--marglik-steps", type=int, default=50, help="(default 50)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the report's folder")
     args = parser.parse_args(argv)
     args.volumes = args.volumes or (3 if args.quick else 20)
     args.size = args.size or (32 if args.quick else 96)
@@ -172,12 +200,12 @@ def main(argv: list[str] | None = None) -> Path:
             env={**os.environ, **_ENV},
             check=True,
         )
-        return args.out / "bench_volume.md"
+        return args.out / _name(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     text = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "bench_volume.md"
+    path = args.out / _name(args.device)
     path.write_text(text)
     print(text)
     return path

@@ -145,7 +145,7 @@ def diag_backprop(
     with torch.enable_grad(), session:
         logits = model(*args)
     check_logits(logits)
-    session.check_graph(logits)
+    session.check_graph(logits, args)
     f = logits.detach()
     _check_finite_logits(f)
     value = loss_fn.value(f, targets)
@@ -169,12 +169,14 @@ def diag_backprop(
         ) from None
     finally:
         session.blocks.value = None
+    # One multi-tensor kernel undoes the scale (exactly: a power of two).
+    found = [g for g in grads if g is not None]
+    unscaled = iter(torch._foreach_div(found, scale) if found else ())
     diagonals = {
-        n: torch.zeros_like(p) if g is None else g / scale
+        n: torch.zeros_like(p) if g is None else next(unscaled)
         for n, p, g in zip(names, chosen, grads, strict=True)
     }
-    _check_finite_result(diagonals, f.dtype, "DB")
-    _check_non_negative(diagonals)
+    _check_db_diagonals(diagonals)
     return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
 
 
@@ -311,28 +313,38 @@ def _sum_tolerance(u: float) -> float:
     return 1e3 * u if u <= torch.finfo(torch.float32).eps else 16 * u
 
 
-def _check_non_negative(diagonals: dict[str, Tensor]) -> None:
-    """Raise ``RuntimeError`` naming the first parameter whose DB diagonal is negative.
+def _check_db_diagonals(diagonals: dict[str, Tensor]) -> None:
+    """Raise if a DB diagonal is not finite or has negative entries, naming the parameter.
 
-    Every DB step maps non-negative diagonals to non-negative ones, so a negative entry (beyond
-    rounding: ``64 eps`` of the tensor's largest entry) means an operation was propagated with
-    ``J`` instead of ``J²``: a bug, or an unsupported operation that slipped through.
+    One ``aminmax`` per tensor and one host synchronisation for all: ``min`` and ``max`` are
+    finite exactly when every entry is (NaN and ±inf propagate). Every DB step maps
+    non-negative diagonals to non-negative ones, so a negative entry (beyond rounding:
+    ``64 eps`` of the tensor's largest entry) means an operation was propagated with ``J``
+    instead of ``J²``: a bug, or an unsupported operation that slipped through.
+
+    Raises:
+        FloatingPointError: A non-finite entry (overflow).
+        RuntimeError: A negative entry.
     """
-    named = {name: d for name, d in diagonals.items() if d.numel() > 0}
-    extremes = [torch.aminmax(d) for d in named.values()]  # max |d| = max(max d, −min d)
-    negative = _booleans(
-        [
-            lo < -64 * _round_off(d) * torch.maximum(hi, -lo)
-            for d, (lo, hi) in zip(named.values(), extremes, strict=True)
-        ]
-    )
-    for (name, d), bad in zip(named.items(), negative, strict=True):
-        if bad:
+    named = {name: d.detach() for name, d in diagonals.items() if d.numel() > 0}
+    if not named:
+        return
+    extremes = [torch.stack(torch.aminmax(d)) for d in named.values()]
+    dtype = functools.reduce(torch.promote_types, (e.dtype for e in extremes))
+    device = extremes[0].device
+    values = torch.stack([e.to(device, dtype) for e in extremes]).tolist()
+    for (name, d), (lo, hi) in zip(named.items(), values, strict=True):
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise FloatingPointError(
+                f"the DB diagonal of '{name}' is not finite (overflow in {d.dtype}); check the "
+                "inputs and weights for extreme values, or compute in float64"
+            )
+        if lo < -64 * _round_off(d) * max(hi, -lo):
             raise RuntimeError(
-                f"the DB diagonal of '{name}' has negative entries (smallest {float(d.min()):.3g})"
-                ": a GGN diagonal is non-negative, so an operation in forward was propagated "
-                "with its Jacobian instead of its square. Please report the model; meanwhile use "
-                "the Monte-Carlo estimator (estimator='mc'), which needs no rules"
+                f"the DB diagonal of '{name}' has negative entries (smallest {lo:.3g}): a GGN "
+                "diagonal is non-negative, so an operation in forward was propagated with its "
+                "Jacobian instead of its square. Please report the model; meanwhile use the "
+                "Monte-Carlo estimator (estimator='mc'), which needs no rules"
             )
 
 
@@ -558,18 +570,14 @@ class _Session(TorchFunctionMode):
         self.blocks = _Blocks()
         self._handles: list[Any] = []
         self._patched: list[tuple[nn.Module, Any]] = []
-        self._function_modules: dict[int, nn.Module] = {}
 
     # -- installation --------------------------------------------------------------------------
 
     def __enter__(self):
         try:
-            register_adapters_for(self.model)
-            seen: set[int] = set()
-            for module in self.model.modules():
-                if id(module) in seen:
-                    continue
-                seen.add(id(module))
+            modules = list(self.model.modules())  # each module once
+            register_adapters_for(modules)
+            for module in modules:
                 if parametrize.is_parametrized(module):
                     raise NotImplementedError(_parametrized_message(self.describe(module), module))
                 rule = RULES.get(type(module))
@@ -592,8 +600,6 @@ class _Session(TorchFunctionMode):
                     self._handles.append(module.register_forward_pre_hook(self._check))
                 if not rule.is_autograd_exact(module):
                     self._patch(module, rule)
-            for module in self.model.modules():
-                self._handles.append(module.register_forward_hook(self._record_function))
             return super().__enter__()
         except BaseException:
             self._uninstall()
@@ -647,14 +653,7 @@ class _Session(TorchFunctionMode):
         except ValueError as err:
             raise ValueError(f"{self.describe(module)}: {err}") from None
 
-    def _record_function(self, module: nn.Module, args: Any, out: Any) -> None:
-        """Forward hook: remember the innermost module whose output a foreign Function made."""
-        for t in tree_leaves(out):
-            node = getattr(t, "grad_fn", None) if isinstance(t, Tensor) else None
-            if _is_foreign_function(node):
-                self._function_modules.setdefault(id(node), module)
-
-    def check_graph(self, logits: Tensor) -> None:
+    def check_graph(self, logits: Tensor, args: tuple) -> None:
         """Refuse ``torch.autograd.Function`` nodes in the graph that DB has no rule for.
 
         A custom Function's forward runs with grad disabled, so the session never sees its
@@ -675,7 +674,7 @@ class _Session(TorchFunctionMode):
             seen.add(id(node))
             if _is_foreign_function(node):
                 cls = node._forward_cls
-                module = self._function_modules.get(id(node))
+                module = self._function_module(cls, args)
                 where = "the model's forward" if module is None else self.describe(module)
                 if cls.__name__ == "CheckpointFunction":
                     raise NotImplementedError(
@@ -694,6 +693,31 @@ class _Session(TorchFunctionMode):
                     "Monte-Carlo estimator (estimator='mc'), which needs no rules"
                 )
             nodes.extend(n for n, _ in node.next_functions)
+
+    def _function_module(self, cls: type, args: tuple) -> nn.Module | None:
+        """The innermost module whose output a ``cls`` Function made (error path only).
+
+        Runs the model's forward once more, with a forward hook on every module: the error
+        costs a forward pass, so that every successful call pays for no hooks.
+        """
+        found: list[nn.Module] = []
+
+        def record(module: nn.Module, _args: Any, out: Any) -> None:
+            for t in tree_leaves(out):
+                node = t.grad_fn if isinstance(t, Tensor) else None
+                if not found and _is_foreign_function(node) and node._forward_cls is cls:
+                    found.append(module)
+
+        handles = [m.register_forward_hook(record) for m in self.model.modules()]
+        try:
+            with torch.enable_grad():
+                self.model(*args)
+        except Exception:  # the forward's own failure: the message names no module
+            return None
+        finally:
+            for handle in handles:
+                handle.remove()
+        return found[0] if found else None
 
     def _refuse(self, module: nn.Module, args: Any) -> None:
         """Pre-hook on a parametric leaf module without a rule: raise the registry's error."""

@@ -191,24 +191,31 @@ class _Bare(nn.Module):
 
 
 _CONV_DIMS: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+_CONV_T_DIMS: dict[type[nn.Module], int] = {
+    nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2, nn.ConvTranspose3d: 3
+}  # fmt: skip
+_NORMS: tuple[type[nn.Module], ...] = (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d,
+    nn.InstanceNorm3d, nn.GroupNorm, nn.LayerNorm,
+)  # fmt: skip
 
 
 def _direct_sample_grads(
     module: nn.Module, names: dict[str, str], x: Tensor, g: Tensor
 ) -> dict[str, Tensor] | None:
-    """Per-sample gradients of a plain convolution or ``nn.Linear`` without replaying it.
+    """Per-sample gradients of a plain convolution, ``nn.Linear`` or norm layer without replay.
 
     The weight gradient of one sample needs only its input and output gradient: for a
-    convolution one ``aten.convolution_backward`` with only the weight (and bias) outputs, the
-    samples folded into the channels as ``N · groups`` groups (input ``[1, N·C_in, *S]``,
-    output gradient ``[1, N·C_out, *S']``, the weight repeated ``N`` times: the weight
-    gradient ``[N·C_out, C_in/groups, *k]`` is the ``N`` per-sample ones; what ``vmap`` of the
-    kernel computes, without its per-call overhead); for ``nn.Linear`` ``g_nᵀ x_n`` summed
-    over the other axes. The replay of
-    :meth:`_Owner.sample_grads` also runs the module's forward again; these do not. ``None``
-    for any other module, a module whose ``forward`` was replaced on the instance, a
-    convolution with another padding mode or a padding string, and where the grouped kernel
-    fails (the caller then replays the module).
+    convolution (or transposed convolution) one ``aten.convolution_backward`` with only the
+    weight (and bias) outputs, the samples folded into the channels as ``N · groups`` groups
+    (input ``[1, N·C_in, *S]``, output gradient ``[1, N·C_out, *S']``, the weight repeated ``N``
+    times: the weight gradient is the ``N`` per-sample ones; what ``vmap`` of the kernel
+    computes, without its per-call overhead); for ``nn.Linear`` ``g_nᵀ x_n`` summed over the
+    other axes; for a norm layer (:func:`_norm_sample_grads`) ``Σ g_n · x̂_n`` and ``Σ g_n``.
+    The replay of :meth:`_Owner.sample_grads` also runs the module's forward again; these do
+    not. ``None`` for any other module (subclasses included), a module whose ``forward`` was
+    replaced on the instance, a convolution with another padding mode or a padding string, and
+    where the grouped kernel fails (the caller then replays the module).
 
     Returns:
         ``{own name: [N, *shape]}`` for the names in ``names``, or ``None``.
@@ -223,23 +230,32 @@ def _direct_sample_grads(
         if want_b:
             out["bias"] = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
         return out
-    dims = _CONV_DIMS.get(type(module))
+    if type(module) in _NORMS:
+        return _norm_sample_grads(module, want_w, want_b, x, g)
+    transposed = type(module) in _CONV_T_DIMS
+    dims = (_CONV_T_DIMS if transposed else _CONV_DIMS).get(type(module))
     if dims is None or module.padding_mode != "zeros" or isinstance(module.padding, str):
         return None
     if not (want_w or want_b):
         return {}
     w = module.weight.detach()
     n = x.shape[0]
-    # The weight's values do not enter its gradient, only its shape: zeros of the grouped
-    # weight's shape stand in for the weight repeated N times (no copy of it).
+    out_padding = [0] * dims
+    if transposed:  # as the call made it (``output_size`` may have set it): from the shapes
+        for i in range(dims):
+            size = (x.shape[2 + i] - 1) * module.stride[i] - 2 * module.padding[i]
+            out_padding[i] = g.shape[2 + i] - size - module.dilation[i] * (w.shape[2 + i] - 1) - 1
+    # The weight's values do not enter its gradient, only its shape: one zero expanded to the
+    # grouped weight's shape stands in for the weight repeated N times (no copy, no memory).
     try:
         _, gw, gb = torch.ops.aten.convolution_backward(
             g.contiguous().reshape(1, -1, *g.shape[2:]),
             x.contiguous().reshape(1, -1, *x.shape[2:]),
-            w.new_zeros(n * w.shape[0], *w.shape[1:]),
-            [n * w.shape[0]] if module.bias is not None else None,
-            module.stride, module.padding, module.dilation, False, [0] * dims, n * module.groups,
-            [False, want_w, want_b],
+            w.new_zeros(()).expand(n * w.shape[0], *w.shape[1:]),
+            [n * (w.shape[1] * module.groups if transposed else w.shape[0])]
+            if module.bias is not None else None,
+            module.stride, module.padding, module.dilation, transposed, out_padding,
+            n * module.groups, [False, want_w, want_b],
         )  # fmt: skip
     except RuntimeError:  # a kernel's limit on the grouped form: replay the module instead
         return None
@@ -247,7 +263,46 @@ def _direct_sample_grads(
     if want_w:
         grads["weight"] = gw.view(n, *w.shape)
     if want_b:
-        grads["bias"] = gb.view(n, w.shape[0])
+        grads["bias"] = gb.view(n, *module.bias.shape)
+    return grads
+
+
+def _norm_sample_grads(
+    module: nn.Module, want_w: bool, want_b: bool, x: Tensor, g: Tensor
+) -> dict[str, Tensor] | None:
+    """Per-sample ``γ`` and ``β`` gradients of a norm layer: ``Σ g_n · x̂_n`` and ``Σ g_n``.
+
+    ``y = γ x̂ + β`` with ``x̂`` from the rule (:meth:`standardised`: running or per-group
+    statistics), summed per sample over the entries each parameter scales: dims ``2, …`` for
+    the per-channel ``γ``, ``β`` of batch, instance and group norm (``x`` ``[N, C, *]``), the
+    leading dims but the first for layer norm's ``normalized_shape``. ``None`` where the
+    samples are not independent (batch statistics) or ``x`` has no batch dim.
+    """
+    rule = RULES[type(module)]
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        usable = not module.training and module.running_mean is not None
+    elif isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        updating = module.training and module.track_running_stats  # refused by the rule
+        usable = x.dim() != module._get_no_batch_dim() and not updating
+    else:
+        usable = True
+    if not usable:
+        return None
+    if isinstance(module, nn.LayerNorm):
+        if x.dim() <= len(module.normalized_shape):
+            return None
+        dims = tuple(range(1, x.dim() - len(module.normalized_shape)))
+    else:
+        dims = tuple(range(2, x.dim()))
+
+    def total(t: Tensor) -> Tensor:
+        return t.sum(dims) if dims else t
+
+    grads: dict[str, Tensor] = {}
+    if want_w:
+        grads["weight"] = total(g * rule.standardised(module, x))
+    if want_b:
+        grads["bias"] = total(g)
     return grads
 
 
@@ -281,7 +336,7 @@ class _Owner:
         self.block = block
         self.bare = _Bare(module)
         self.paired = isinstance(module, _PAIRED_REPLAY) and not block
-        self.direct = not self.paired and not block  # try _direct_sample_grads
+        self.direct = not block  # try _direct_sample_grads
         self.calls = 0
         self.partial: dict[str, Tensor] | None = None
 
@@ -817,8 +872,10 @@ def _run(
     del logits
     if whole:
         totals.update(_whole_model(model, args, names, chosen, whole, vectors, f, expected))
+    if mc_samples > 1 and totals:  # the sums are this call's own tensors: averaged in place
+        torch._foreach_div_(list(totals.values()), mc_samples)
     diagonals = {
-        n: totals[n] / mc_samples if n in totals else torch.zeros_like(p)
+        n: totals[n] if n in totals else torch.zeros_like(p)
         for n, p in zip(names, chosen, strict=True)
     }
     _check_finite_result(diagonals, f.dtype, "Monte-Carlo")

@@ -13,8 +13,8 @@ import torch
 
 from lsn_ext import laplace_ext
 from lsn_ext.engine import (
+    _check_db_diagonals,
     _check_finite_result,
-    _check_non_negative,
     _finite,
     _round_off,
     _sum_tolerance,
@@ -90,11 +90,13 @@ def test_curvature_checks_name_the_first_bad_parameter():
     with pytest.raises(FloatingPointError, match=r"Monte-Carlo diagonal of 'b' is not finite"):
         _check_finite_result(diagonals, torch.float64, "Monte-Carlo")
     rounding = torch.tensor([1.0, -1e-15])  # below 64 eps of the largest entry: rounding
-    _check_non_negative({"a": rounding, "b": torch.zeros(0)})
+    _check_db_diagonals({"a": rounding, "b": torch.zeros(0)})
     with pytest.raises(
         RuntimeError, match=r"DB diagonal of 'c' has negative entries \(smallest -0\.5"
     ):
-        _check_non_negative({"a": rounding, "b": torch.zeros(0), "c": torch.tensor([1.0, -0.5])})
+        _check_db_diagonals({"a": rounding, "b": torch.zeros(0), "c": torch.tensor([1.0, -0.5])})
+    with pytest.raises(FloatingPointError, match=r"DB diagonal of 'b' is not finite"):
+        _check_db_diagonals(diagonals)
 
 
 def test_finite_is_exact_where_the_sum_overflows_or_cancels():

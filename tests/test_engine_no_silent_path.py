@@ -13,7 +13,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import lsn_ext
-from lsn_ext.engine import _check_non_negative
+from lsn_ext.engine import _check_db_diagonals
 from lsn_ext.exact import exact_ggn_diagonal
 from tests.model_state import assert_unchanged, snapshot
 
@@ -66,6 +66,24 @@ class _DoublingNet(nn.Module):
         return self.head(_Double.apply(torch.tanh(self.conv(x))))
 
 
+class _DoubleModule(nn.Module):
+    """A parameter-free module around the Function, as memory-efficient swish is packaged."""
+
+    def forward(self, x):
+        return _Double.apply(x)
+
+
+class _DoublingBlockNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 3, 3, padding=1)
+        self.block = nn.Sequential(nn.Tanh(), _DoubleModule())
+        self.head = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.block(self.conv(x)))
+
+
 class _ScaledNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -102,7 +120,14 @@ def _batch():
 
 
 REFUSED = {
-    "function-doubling": (_DoublingNet, r"torch.autograd.Function '.*_Double' called in the "),
+    "function-doubling": (
+        _DoublingNet,
+        r"torch.autograd.Function '.*_Double' called in the model's forward",
+    ),
+    "function-in-a-submodule": (
+        _DoublingBlockNet,
+        r"torch.autograd.Function '.*_Double' called in 'block.1' \(_DoubleModule\)",
+    ),
     "function-with-parameter": (_ScaledNet, r"Function '.*_Scale'.*register_rule.*'mc'"),
     "instance-forward-override": (_overridden, r"'0' \(Conv2d\) has its forward replaced"),
     "reentrant-checkpoint": (
@@ -166,8 +191,14 @@ def test_non_reentrant_checkpointing_works_with_monte_carlo():
 
 def test_a_negative_db_diagonal_is_reported():
     with pytest.raises(RuntimeError, match=r"DB diagonal of 'w' has negative entries"):
-        _check_non_negative({"v": torch.ones(3), "w": torch.tensor([1.0, -0.2])})
-    _check_non_negative({"w": torch.tensor([1.0, -1e-20, 0.0])})  # rounding is tolerated
+        _check_db_diagonals({"v": torch.ones(3), "w": torch.tensor([1.0, -0.2])})
+    _check_db_diagonals({"w": torch.tensor([1.0, -1e-20, 0.0])})  # rounding is tolerated
+
+
+@pytest.mark.parametrize("bad", [torch.inf, -torch.inf, torch.nan], ids=["inf", "-inf", "nan"])
+def test_a_non_finite_db_diagonal_is_reported(bad):
+    with pytest.raises(FloatingPointError, match=r"DB diagonal of 'w' is not finite"):
+        _check_db_diagonals({"v": torch.ones(3), "w": torch.tensor([1.0, bad, 2.0])})
 
 
 class _Mix(nn.Module):

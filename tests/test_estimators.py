@@ -656,7 +656,37 @@ DIRECT = {
     "conv2d-no-bias": (lambda: nn.Conv2d(2, 3, 1, bias=False), (3, 2, 4, 5)),
     "conv3d": (lambda: nn.Conv3d(2, 2, (1, 3, 3), padding=(0, 1, 1)), (2, 2, 3, 4, 4)),
     "linear-tokens": (lambda: nn.Linear(5, 3), (4, 6, 5)),
+    "convT1d-stride2-outpad": (
+        lambda: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1),
+        (5, 3, 6),
+    ),
+    "convT2d-dilation-groups": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, dilation=2, groups=2),
+        (3, 4, 5, 5),
+    ),
+    "convT2d-no-bias": (lambda: nn.ConvTranspose2d(2, 3, 2, stride=2, bias=False), (3, 2, 4, 5)),
+    "convT3d": (lambda: nn.ConvTranspose3d(2, 3, (1, 2, 2), stride=(1, 2, 2)), (2, 2, 3, 2, 3)),
+    "batchnorm2d-eval": (lambda: _randomised(nn.BatchNorm2d(3)).eval(), (4, 3, 5, 5)),
+    "instancenorm2d-affine": (lambda: _randomised(nn.InstanceNorm2d(3, affine=True)), (4, 3, 5, 5)),
+    "instancenorm3d-running-eval": (
+        lambda: _randomised(nn.InstanceNorm3d(2, affine=True, track_running_stats=True)).eval(),
+        (3, 2, 3, 4, 4),
+    ),
+    "groupnorm": (lambda: _randomised(nn.GroupNorm(2, 4)), (3, 4, 5, 3)),
+    "layernorm-tokens": (lambda: _randomised(nn.LayerNorm(5)), (4, 6, 5)),
+    "layernorm-2d-shape": (lambda: _randomised(nn.LayerNorm((3, 4))), (3, 2, 3, 4)),
 }
+
+
+def _randomised(module: nn.Module) -> nn.Module:
+    """Random affine parameters and running statistics, so that neither is a neutral value."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p))
+        if getattr(module, "running_mean", None) is not None:
+            module.running_mean.copy_(torch.randn_like(module.running_mean))
+            module.running_var.copy_(torch.rand_like(module.running_var) + 0.5)
+    return module
 
 
 @pytest.mark.parametrize("case", DIRECT.values(), ids=DIRECT.keys())
@@ -692,3 +722,29 @@ def test_direct_gradients_leave_other_modules_to_the_replay():
     conv = nn.Conv2d(2, 2, 3, padding=1)
     conv.forward = lambda t: 2 * nn.Conv2d.forward(conv, t)
     assert _direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
+    norm = nn.BatchNorm2d(2)  # training mode: batch statistics couple the samples
+    assert _direct_sample_grads(norm, {"weight": "weight"}, x, x) is None
+    norm = nn.InstanceNorm2d(2, affine=True)  # an input without batch dim
+    assert _direct_sample_grads(norm, {"weight": "weight"}, x[0], x[0]) is None
+    norm = nn.LayerNorm((2, 4, 4))
+    assert _direct_sample_grads(norm, {"weight": "weight"}, x[0], x[0]) is None
+
+
+def test_direct_transposed_convolution_gradients_follow_the_calls_output_size():
+    from lsn_ext.estimators import _direct_sample_grads
+
+    conv = nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1)
+    x = torch.randn(3, 2, 4, 4)
+    size = (8, 8)  # output_padding 1, set by the call
+    g = torch.randn_like(conv(x, output_size=size))
+    got = _direct_sample_grads(conv, {"weight": "weight", "bias": "bias"}, x, g)
+    for n in ("weight", "bias"):
+        want = torch.stack(
+            [
+                torch.autograd.grad(
+                    conv(x[i : i + 1], output_size=size), getattr(conv, n), g[i : i + 1]
+                )[0]
+                for i in range(3)
+            ]
+        )
+        torch.testing.assert_close(got[n], want, msg=n)

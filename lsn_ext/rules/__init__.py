@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Iterable
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -164,20 +165,23 @@ def register_rule(module_cls: type[nn.Module], rule: Rule, *, override: bool = F
 _ADAPTERS = {"stochman": "lsn_ext.stochman_ext"}
 
 
-def register_adapters_for(model: nn.Module) -> None:
+def register_adapters_for(model: nn.Module | Iterable[nn.Module]) -> None:
     """Import the adapters that register rules for library modules found in ``model``.
 
     ``import lsn_ext`` is lazy, and StochMan's ``nnj`` layers get their rules when
     :mod:`lsn_ext.stochman_ext` is imported; the engines call this before looking rules up, so a
-    model of ``nnj`` layers works whichever way lsn_ext was imported.
+    model of ``nnj`` layers works whichever way lsn_ext was imported. ``model`` may also be the
+    model's modules, already listed. Each module class is looked at once per process.
     """
-    wanted = {
-        adapter
-        for module in model.modules()
-        if (adapter := _ADAPTERS.get(type(module).__module__.split(".")[0])) is not None
-    }
-    for adapter in wanted - sys.modules.keys():
-        importlib.import_module(adapter)
+    modules = model.modules() if isinstance(model, nn.Module) else model
+    for cls in {type(m) for m in modules} - _LOOKED_AT:
+        adapter = _ADAPTERS.get(cls.__module__.split(".")[0])
+        if adapter is not None and adapter not in sys.modules:
+            importlib.import_module(adapter)
+        _LOOKED_AT.add(cls)
+
+
+_LOOKED_AT: set[type] = set()
 
 
 def supported_modules() -> list[str]:

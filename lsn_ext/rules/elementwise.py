@@ -117,6 +117,14 @@ class LeakyReLURule(ElementwiseRule):
             return torch.where(y > 0, 1.0, module.negative_slope).to(y.dtype)
         return torch.where(x > 0, 1.0, module.negative_slope).to(x.dtype)
 
+    def input_rule(self, module: nn.LeakyReLU, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
+        """``m`` where the read tensor is positive, else ``slope² · m``.
+
+        One fused ``leaky_relu_backward`` with the slope squared.
+        """
+        t = y if self.reads_output(module) else x
+        return torch.ops.aten.leaky_relu_backward(m_out, t, module.negative_slope**2, False)
+
 
 class PReLURule(ElementwiseRule):
     """Exact rule for ``PReLU``: ``y = x`` for ``x > 0``, else ``a · x``, ``x`` ``[N, C, *]``.

@@ -131,6 +131,12 @@ class BatchNormRule(Rule):
                 "samples of a batch; call model.eval() and use running statistics"
             )
 
+    def standardised(self, module: _BatchNorm, x: Tensor) -> Tensor:
+        """``x̂ = (x − μ) / sqrt(σ² + ε)`` with the running statistics, shaped like ``x``."""
+        self.check(module)
+        mean, inv_std = _running_stats(module, x)
+        return (x.detach() - mean) * inv_std
+
     def input_rule(self, module: _BatchNorm, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
         return self.backward(module, x, y, m_out, need_params=False)[0]
 
@@ -171,17 +177,18 @@ def _spread(u: Tensor, x_hat: Tensor) -> Tensor:
 
     ``u`` and ``x_hat`` are ``[B, G, K, S]``, a group being dims 2 and 3 (``n = K·S``); the result
     has that shape too. ``a`` is symmetric, so this serves the input rule and the forward rule.
+    Computed in the expanded form ``u_j (1 − 2 c_j/n) + (U_0 + 2 x̂_j U_1 + x̂_j² U_2)/n²``, which
+    needs half the passes over the group's entries; the three sums are scaled while small.
     """
     n = x_hat.shape[2] * x_hat.shape[3]
     dims = (2, 3)
-    u_x = u * x_hat
-    u0 = u.sum(dims, keepdim=True)
-    u1 = u_x.sum(dims, keepdim=True)
-    u2 = (u_x * x_hat).sum(dims, keepdim=True)
-    c = 1 + x_hat.square()
-    # The diagonal i = j, then the sum over i ≠ j (all i, less i = j).
-    off = u0 + x_hat * (2 * u1 + x_hat * u2) - u * c.square()
-    return u * (1 - c / n).square() + off / (n * n)
+    x2 = x_hat.square()
+    s = 1.0 / (n * n)
+    u0 = u.sum(dims, keepdim=True).mul_(s)
+    u1 = (u * x_hat).sum(dims, keepdim=True).mul_(2 * s)
+    u2 = (u * x2).sum(dims, keepdim=True).mul_(s)
+    q = torch.addcmul(u0, x_hat, u1).addcmul_(x2, u2)
+    return q.addcmul_(u, x2.mul_(-2 / n).add_(1 - 2 / n))
 
 
 class _GroupStatsRule(Rule):
@@ -196,11 +203,21 @@ class _GroupStatsRule(Rule):
         raise NotImplementedError
 
     def _standardise(self, module: _Norm, x: Tensor) -> tuple[Tensor, Tensor]:
-        """``x̂`` ``[B, G, K, S]`` and ``1/σ̃`` ``[B, G, 1, 1]``, in the dtype of ``x``."""
-        x = x.detach().reshape(self._view(module, x))
-        var, mean = torch.var_mean(x, dim=(2, 3), correction=0, keepdim=True)
-        inv_std = torch.rsqrt(var + module.eps)
-        return (x - mean) * inv_std, inv_std
+        """``x̂`` ``[B, G, K, S]`` and ``1/σ̃`` ``[B, G, 1, 1]``, in the dtype of ``x``.
+
+        One fused ``aten.native_group_norm`` (without affine parameters) over the view: the
+        same biased variance and ``ε`` as the layer's forward pass.
+        """
+        _, G, K, S = self._view(module, x)
+        B = x.numel() // (G * K * S)
+        x_hat, _, rstd = torch.ops.aten.native_group_norm(
+            x.detach().reshape(B, G * K, S), None, None, B, G * K, S, G, module.eps
+        )
+        return x_hat.view(B, G, K, S), rstd.view(B, G, 1, 1).to(x.dtype)
+
+    def standardised(self, module: _Norm, x: Tensor) -> Tensor:
+        """``x̂``, each group standardised with its own statistics, shaped like ``x``."""
+        return self._standardise(module, x)[0].reshape(x.shape)
 
     @staticmethod
     def _affine(p: Tensor, x_hat: Tensor) -> Tensor:
@@ -226,8 +243,11 @@ class _GroupStatsRule(Rule):
         m = m_out.reshape(x_hat.shape)
         m_in = None
         if need_input:
-            w = m if module.weight is None else self._affine(module.weight, x_hat).square() * m
-            m_in = (inv_std.square() * _spread(w, x_hat)).reshape(x.shape)
+            # 1/σ̃² is constant on a group, so it scales w before the spread: one pass fewer.
+            scale = inv_std.square()
+            if module.weight is not None:
+                scale = self._affine(module.weight, x_hat).square() * scale
+            m_in = _spread(scale * m, x_hat).reshape(x.shape)
         diags: dict[str, Tensor] = {}
         if need_params:
             if module.weight is not None:
@@ -296,6 +316,13 @@ class InstanceNormRule(_GroupStatsRule):
     @staticmethod
     def _batched(module: _InstanceNorm, x: Tensor) -> bool:
         return x.dim() != module._get_no_batch_dim()
+
+    def standardised(self, module: _InstanceNorm, x: Tensor) -> Tensor:
+        self.check(module)
+        if not self._running(module):
+            return super().standardised(module, x)
+        mean, inv_std = _running_stats(module, x if self._batched(module, x) else x.unsqueeze(0))
+        return ((x.detach() - mean) * inv_std).reshape(x.shape)
 
     def _view(self, module: _InstanceNorm, x: Tensor) -> tuple[int, int, int, int]:
         channel = 1 if self._batched(module, x) else 0
