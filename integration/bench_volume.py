@@ -164,7 +164,7 @@ def _report(args: argparse.Namespace, rows: list, prior: float, n_params: int) -
         "|---|---:|---:|---:|",
     ]
     for name, seconds, peak in rows:
-        lines.append(f"| {name} | {seconds:.1f} | {peak / 2**20:.0f} | {peak / step_peak:.2f} |")
+        lines.append(f"| {name} | {seconds:.3g} | {peak / 2**20:.0f} | {peak / step_peak:.2f} |")
     lines += [
         "",
         f"{memory} Times are one run each, on a machine that may be shared; read them as orders "
