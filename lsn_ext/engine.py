@@ -209,7 +209,7 @@ def _check_inputs(model: nn.Module, args: Sequence[Any]) -> None:
                 "entries; the curvature of such a model is undefined. Check the training run "
                 "(divergence?) or the checkpoint"
             )
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtypes = {p.dtype for _, p in floating}
     takes_indices = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
     for i, x in enumerate(args):
         if not isinstance(x, Tensor):
