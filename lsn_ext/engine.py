@@ -27,6 +27,7 @@ the duration of the call only and removed in a ``finally`` block; parameters, bu
 
 from __future__ import annotations
 
+import cmath
 import functools
 import itertools
 import math
@@ -252,11 +253,17 @@ def _check_finite_logits(f: Tensor) -> None:
         )
 
 
-def _booleans(flags: list[Tensor]) -> list[bool]:
-    """Booleans of 0-d tensors with one host synchronisation (not one per parameter)."""
-    if not flags:
+def _to_host(values: list[Tensor]) -> list:
+    """``tolist()`` of equally shaped small tensors with one host synchronisation for all.
+
+    The tensors are stacked in their promoted dtype on the first one's device (not one
+    synchronisation per parameter).
+    """
+    if not values:
         return []
-    return torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+    dtype = functools.reduce(torch.promote_types, (v.dtype for v in values))
+    device = values[0].device
+    return torch.stack([v.to(device, dtype) for v in values]).tolist()
 
 
 def _finite(tensors: list[Tensor]) -> list[bool]:
@@ -268,11 +275,7 @@ def _finite(tensors: list[Tensor]) -> list[bool]:
     are summed in float32.
     """
     sums = [t.detach().sum(dtype=torch.float32 if t.element_size() < 4 else None) for t in tensors]
-    if not sums:
-        return []
-    dtype = functools.reduce(torch.promote_types, (total.dtype for total in sums))
-    device = sums[0].device
-    flags = torch.isfinite(torch.stack([t.to(device, dtype) for t in sums])).tolist()
+    flags = [cmath.isfinite(total) for total in _to_host(sums)]
     return [ok or bool(torch.isfinite(t).all()) for t, ok in zip(tensors, flags, strict=True)]
 
 
@@ -327,12 +330,7 @@ def _check_db_diagonals(diagonals: dict[str, Tensor]) -> None:
         RuntimeError: A negative entry.
     """
     named = {name: d.detach() for name, d in diagonals.items() if d.numel() > 0}
-    if not named:
-        return
-    extremes = [torch.stack(torch.aminmax(d)) for d in named.values()]
-    dtype = functools.reduce(torch.promote_types, (e.dtype for e in extremes))
-    device = extremes[0].device
-    values = torch.stack([e.to(device, dtype) for e in extremes]).tolist()
+    values = _to_host([torch.stack(torch.aminmax(d)) for d in named.values()])
     for (name, d), (lo, hi) in zip(named.items(), values, strict=True):
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise FloatingPointError(

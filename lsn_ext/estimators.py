@@ -279,14 +279,12 @@ def _norm_sample_grads(
     samples are not independent (batch statistics) or ``x`` has no batch dim.
     """
     rule = RULES[type(module)]
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        usable = not module.training and module.running_mean is not None
-    elif isinstance(module, nn.modules.instancenorm._InstanceNorm):
-        updating = module.training and module.track_running_stats  # refused by the rule
-        usable = x.dim() != module._get_no_batch_dim() and not updating
-    else:
-        usable = True
-    if not usable:
+    try:
+        rule.check(module)  # batch statistics, or running statistics a call would update
+    except ValueError:
+        return None
+    instance = isinstance(module, nn.modules.instancenorm._InstanceNorm)
+    if instance and x.dim() == module._get_no_batch_dim():
         return None
     if isinstance(module, nn.LayerNorm):
         if x.dim() <= len(module.normalized_shape):

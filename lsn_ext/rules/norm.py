@@ -59,6 +59,16 @@ def _running_stats(module: _BatchNorm | _InstanceNorm, x: Tensor) -> tuple[Tenso
     return module.running_mean.reshape(shape), inv_std
 
 
+def _running_standardised(module: _BatchNorm | _InstanceNorm, x: Tensor) -> Tensor:
+    """``x̂ = (x − μ) / sqrt(var + ε)`` with the running statistics, ``x`` ``[N, C, *]``.
+
+    For the per-sample gradients of Monte Carlo (``standardised``); the rule steps below
+    compute it inline, beside the ``1/σ`` they also need.
+    """
+    mean, inv_std = _running_stats(module, x)
+    return (x.detach() - mean) * inv_std
+
+
 def _running_scale(module: _BatchNorm | _InstanceNorm, inv_std: Tensor) -> Tensor:
     """``s = γ / sqrt(var + ε)`` (``1 / sqrt(var + ε)`` without ``γ``), shaped like ``inv_std``."""
     if module.weight is None:
@@ -134,8 +144,7 @@ class BatchNormRule(Rule):
     def standardised(self, module: _BatchNorm, x: Tensor) -> Tensor:
         """``x̂ = (x − μ) / sqrt(σ² + ε)`` with the running statistics, shaped like ``x``."""
         self.check(module)
-        mean, inv_std = _running_stats(module, x)
-        return (x.detach() - mean) * inv_std
+        return _running_standardised(module, x)
 
     def input_rule(self, module: _BatchNorm, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
         return self.backward(module, x, y, m_out, need_params=False)[0]
@@ -321,8 +330,8 @@ class InstanceNormRule(_GroupStatsRule):
         self.check(module)
         if not self._running(module):
             return super().standardised(module, x)
-        mean, inv_std = _running_stats(module, x if self._batched(module, x) else x.unsqueeze(0))
-        return ((x.detach() - mean) * inv_std).reshape(x.shape)
+        batched = x if self._batched(module, x) else x.unsqueeze(0)
+        return _running_standardised(module, batched).reshape(x.shape)
 
     def _view(self, module: _InstanceNorm, x: Tensor) -> tuple[int, int, int, int]:
         channel = 1 if self._batched(module, x) else 0
