@@ -160,12 +160,17 @@ def bce_objective(net: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     return F.binary_cross_entropy_with_logits(net(x), y)
 
 
-def ssn_objective(net: SSN, x: Tensor, y: Tensor, objective: str = "logsumexp") -> Tensor:
-    """The SSN loss per image over its pixels (the BCE models' step size), 20 logit samples.
+def ssn_objective(
+    net: SSN, x: Tensor, y: Tensor, objective: str = "logsumexp", n_samples: int = 20
+) -> Tensor:
+    """The SSN loss per image over its pixels (the BCE models' step size).
 
-    ``objective``: ``"logsumexp"`` (LSN Eq. 11) or ``"expected"`` (per-pixel expected BCE).
+    ``objective``: ``"logsumexp"`` (LSN Eq. 11) or ``"expected"`` (per-pixel expected BCE);
+    ``n_samples`` logit samples (the paper and the demo: 20), in antithetic pairs when even.
     """
-    return ssn_loss(net.distribution(x), y, 20, objective=objective) / y[0].numel()
+    out = net.distribution(x)
+    loss = ssn_loss(out, y, n_samples, antithetic=n_samples % 2 == 0, objective=objective)
+    return loss / y[0].numel()
 
 
 def train(

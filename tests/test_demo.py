@@ -96,6 +96,11 @@ def test_ssn_objective_is_the_chosen_loss_per_pixel():
         torch.manual_seed(1)
         want = ssn_loss(ssn.distribution(x), y, 20, objective=objective) / 64
         torch.testing.assert_close(got, want)
+        torch.manual_seed(1)
+        odd = ssn_objective(ssn, x, y, objective, n_samples=5)  # odd M: plain samples
+        torch.manual_seed(1)
+        plain = ssn_loss(ssn.distribution(x), y, 5, antithetic=False, objective=objective)
+        torch.testing.assert_close(odd, plain / 64)
 
 
 def test_demo_refuses_bad_prior_and_rank(capsys):

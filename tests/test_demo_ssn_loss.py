@@ -17,27 +17,50 @@ def quick_run(bench, tmp_path_factory):
     """The quick run, in float32 like a real one (module fixtures run before the float64 one)."""
     out = tmp_path_factory.mktemp("demo_ssn_loss")
     argv = ["--quick", "--seeds", "0,1", "--workers", "1", "--cache", str(out / "cache")]
+    argv += ["--ranks", "0,10", "--samples", "1,20"]
     return out, bench.main([*argv, "--out", str(out)]).read_text()
 
 
 @pytest.mark.slow
 def test_quick_run_reports_both_losses_paired(bench, quick_run):
-    out, text = quick_run
+    _, text = quick_run
     for loss in bench.LOSSES:
         assert f"| {bench.NAMES[loss]} | 2 | " in text
-    paired = text.split("## Paired per seed")[1]
+    paired = text.split("## Paired per seed: expected BCE − Eq. 11")[1].split("##")[0]
     for m in ("IoU", "boundary ratio", "H&E entropy AUROC"):
-        assert f"| {m} | " in paired
+        assert f"| expected BCE − Eq. 11 | {m} | " in paired
     assert "nan" not in text.lower()
+
+
+@pytest.mark.slow
+def test_quick_run_reports_the_grid_paired_against_the_default(bench, quick_run):
+    out, text = quick_run
+    configs = bench.grid([0, 10], [1, 20])
+    assert len(configs) == 6  # M = 1 once per rank, M = 20 with both losses
+    grid = text.split("## The ablation's grid")[1].split("##")[0]
+    against = text.split("## Paired per seed against the demo's default")[1]
+    for c in configs:
+        assert f"| {c.name} | 2 | " in grid
+        if c != bench.DEFAULT:
+            assert f"| {c.name} − default | IoU | " in against
     with (out / "demo_ssn_loss_per_seed.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 2 * 2 * len(bench.MEASURES)
-    assert {r["loss"] for r in rows} == set(bench.LOSSES)
+    assert len(rows) == len(configs) * 2 * len(bench.MEASURES)
+    assert {(r["rank"], r["samples"], r["loss"]) for r in rows} == {
+        (str(c.rank), str(c.samples), c.loss) for c in configs
+    }
+
+
+def test_grid_has_m1_once_and_follows_the_samples_order(bench):
+    configs = bench.grid([0, 1, 10], [20, 100, 1, 5])
+    assert len(configs) == 21
+    assert [c.samples for c in configs[:6]] == [20] * 6
+    assert sum(c.samples == 1 for c in configs) == 3
 
 
 def test_the_two_losses_train_different_networks(bench, tmp_path):
-    a = bench.unit(0, "logsumexp", quick=True)
-    b = bench.unit(0, "expected", quick=True)
+    a = bench.unit(0, bench.PAPER, quick=True)
+    b = bench.unit(0, bench.DEFAULT, quick=True)
     assert a["IoU"] >= 0
     assert a["logit sd"] != b["logit sd"]
     assert 0 <= a["H&E entropy AUROC"] <= 1
