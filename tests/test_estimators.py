@@ -1,4 +1,5 @@
 import copy
+import time
 
 import pytest
 import torch
@@ -689,18 +690,30 @@ def _randomised(module: nn.Module) -> nn.Module:
     return module
 
 
+@pytest.fixture(params=["grouped", "per-sample"])
+def conv_kernel(request, monkeypatch):
+    """Which of the two convolution kernels serves (the CPU timing would choose one)."""
+    from lsn_ext import estimators
+
+    monkeypatch.setattr(estimators, "_LOOP_FASTER", {})
+    monkeypatch.setattr(estimators, "_faster", lambda a, b: request.param == "per-sample")
+    return request.param
+
+
 @pytest.mark.parametrize("case", DIRECT.values(), ids=DIRECT.keys())
 @pytest.mark.parametrize("which", ["weight-and-bias", "bias-only"])
-def test_direct_per_sample_gradients_equal_the_per_sample_jacobian(case, which):
-    from lsn_ext.estimators import _direct_sample_grads
+def test_direct_per_sample_gradients_equal_the_per_sample_jacobian(case, which, conv_kernel):
+    from lsn_ext import estimators
 
     make, shape = case
     module = make()
     x = torch.randn(shape)
     g = torch.randn_like(module(x))
     names = {n: n for n, _ in module.named_parameters() if which != "bias-only" or n == "bias"}
-    got = _direct_sample_grads(module, names, x, g)
+    got = estimators._direct_sample_grads(module, names, x, g)
     assert set(got) == set(names)
+    if "conv" in type(module).__name__.lower() and names:  # the chosen kernel served
+        assert list(estimators._LOOP_FASTER.values()) == [conv_kernel == "per-sample"]
     for n in names:
         want = torch.stack(
             [
@@ -709,6 +722,23 @@ def test_direct_per_sample_gradients_equal_the_per_sample_jacobian(case, which):
             ]
         )
         torch.testing.assert_close(got[n], want, msg=n)
+
+
+def test_faster_keeps_the_faster_kernel_and_counts_a_failing_one_as_slower():
+    from lsn_ext.estimators import _faster
+
+    def slow() -> None:
+        time.sleep(0.02)
+
+    def fast() -> None:
+        pass
+
+    def failing() -> None:
+        raise RuntimeError("no kernel for this shape")
+
+    assert _faster(fast, slow)
+    assert not _faster(slow, fast)
+    assert _faster(slow, failing)
 
 
 def test_direct_gradients_leave_other_modules_to_the_replay():
