@@ -157,13 +157,16 @@ def _row(config: Config, rs: list[dict]) -> list[str]:
 
 
 def _paired(a: dict[int, dict], b: dict[int, dict], label: str) -> list[list[str]]:
-    """Rows ``label, measure, a − b, seeds above 0`` over the seeds both have."""
+    """Rows ``label, measure, a − b, seeds above 0 (ties)`` over the seeds both have."""
     both = sorted(set(a) & set(b))
     rows = []
     for m in PAIRED:
         d = [a[s][m] - b[s][m] for s in both]
         if len(d) > 1:
-            rows.append([label, m, lp.fmt(d), f"{sum(x > 0 for x in d)}/{len(d)}"])
+            count = f"{sum(x > 0 for x in d)}/{len(d)}"
+            if ties := sum(x == 0 for x in d):
+                count += f" ({ties} tied)"
+            rows.append([label, m, lp.fmt(d), count])
     return rows
 
 

@@ -64,3 +64,12 @@ def test_the_two_losses_train_different_networks(bench, tmp_path):
     assert a["IoU"] >= 0
     assert a["logit sd"] != b["logit sd"]
     assert 0 <= a["H&E entropy AUROC"] <= 1
+
+
+def test_paired_rows_count_ties_apart(bench):
+    a = {s: {m: float(s) for m in bench.PAIRED} for s in range(3)}
+    b = {s: dict.fromkeys(bench.PAIRED, 1.0) for s in range(3)}
+    rows = bench._paired(a, b, "a − b")
+    assert [r[1] for r in rows] == list(bench.PAIRED)
+    assert all(r[3] == "1/3 (1 tied)" for r in rows)
+    assert rows[0][2].startswith("0.000 ± ")
