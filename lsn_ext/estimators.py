@@ -284,7 +284,8 @@ def _conv_sample_grads(
     several times slower than ``N`` plain ones at some shapes (measured: 5.5 ms against 0.6 ms
     for 128 → 128 channels at 4², batch 8, one thread). On CPU, the first call of each signature
     (shapes, convolution arguments, dtype, threads) times both and keeps the faster; on other
-    devices the grouped kernel serves.
+    devices, and under ``torch.use_deterministic_algorithms(True)`` (the two kernels round
+    differently, and a timing is not reproducible), the grouped kernel serves.
 
     Args:
         g: Output gradient ``[N, C_out, *S']``, contiguous.
@@ -316,7 +317,7 @@ def _conv_sample_grads(
         ]
         return tuple(torch.stack([p[k] for p in parts]) if mask[k] else None for k in (1, 2))
 
-    if x.device.type != "cpu" or n == 1:
+    if x.device.type != "cpu" or n == 1 or torch.are_deterministic_algorithms_enabled():
         return grouped()
     key = (
         x.shape, g.shape, w.shape, bias is None, *map(tuple, (stride, padding, dilation)),

@@ -724,6 +724,27 @@ def test_direct_per_sample_gradients_equal_the_per_sample_jacobian(case, which, 
         torch.testing.assert_close(got[n], want, msg=n)
 
 
+def test_deterministic_algorithms_keep_the_grouped_kernel(monkeypatch):
+    from lsn_ext import estimators
+
+    monkeypatch.setattr(estimators, "_LOOP_FASTER", {})
+    monkeypatch.setattr(estimators, "_faster", lambda a, b: True)  # the loop would win
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    x = torch.randn(4, 2, 5, 5)
+    g = torch.randn(4, 3, 5, 5)
+    mode = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = estimators._direct_sample_grads(conv, {"weight": "weight"}, x, g)
+    finally:
+        torch.use_deterministic_algorithms(mode)
+    assert estimators._LOOP_FASTER == {}  # nothing timed, the grouped kernel served
+    want = torch.stack(
+        [torch.autograd.grad(conv(x[i : i + 1]), conv.weight, g[i : i + 1])[0] for i in range(4)]
+    )
+    torch.testing.assert_close(got["weight"], want)
+
+
 def test_faster_keeps_the_faster_kernel_and_counts_a_failing_one_as_slower():
     from lsn_ext.estimators import _faster
 
