@@ -376,8 +376,8 @@ def _norm_sample_grads(
     else:
         dims = tuple(range(2, x.dim()))
 
-    def total(t: Tensor) -> Tensor:
-        return t.sum(dims) if dims else t
+    def total(t: Tensor) -> Tensor:  # a new tensor: the caller squares it in place
+        return t.sum(dims) if dims else t.clone()
 
     grads: dict[str, Tensor] = {}
     if want_w:
@@ -446,7 +446,8 @@ class _Owner:
 
         # Some kernels refuse non-contiguous gradients (a permuted output: "grad_weight needs to
         # be contiguous" in transposed convolutions after a rearrange).
-        return {k[2:]: v for k, v in _map(one, x.contiguous(), g.contiguous()).items()}
+        x, g = x.contiguous(), g.contiguous()
+        return {k[2:]: _own(v, x, g) for k, v in _map(one, x, g).items()}
 
     def block_grads(self, x: Tensor, g: Tensor, out: Tensor) -> dict[str, Tensor]:
         """As :meth:`sample_grads` for a block, replayed whole per sample (chunked).
@@ -480,7 +481,7 @@ class _Owner:
                 f"capture cannot serve its parameters): {type(err).__name__}: {err}"
             ) from err
         _check_replay(y, out, f"block {self.describe()}")
-        return {k[2:]: v for k, v in grads.items()}
+        return {k[2:]: _own(v, x, g) for k, v in grads.items()}
 
     def add(self, grads: dict[str, Tensor]) -> None:
         """Sum a call's per-sample gradients into this draw's."""
@@ -496,6 +497,19 @@ class _Owner:
     def how(self) -> str:
         """The entry of ``mc_paths`` for this owner's parameters."""
         return f"block '{self.path}'" if self.block else _BY_MODULE
+
+
+def _own(t: Tensor, *inputs: Tensor) -> Tensor:
+    """``t``, or a copy where it shares memory with one of ``inputs``.
+
+    Per-sample gradients are squared in place (:func:`_run`), so each must own its memory: a
+    replay's gradient can be its input itself (``vjp`` of ``x + b`` gives ``g`` for ``b``), and
+    the output gradient ``g`` can be the Monte-Carlo vectors or be shared with other modules.
+    """
+    ptr = t.untyped_storage().data_ptr()
+    if any(ptr == i.untyped_storage().data_ptr() for i in inputs):
+        return t.clone()
+    return t
 
 
 def _map(
@@ -942,7 +956,9 @@ def _run(
                 if name in lost:
                     continue
                 captured.add(name)
-                sq = g.square().sum(0)
+                # In place: every per-sample gradient owns its memory (a new tensor from the
+                # direct kernels or _gather's sums, or _own's copy of a replay's alias).
+                sq = g.square_().sum(0)
                 totals[name] = totals[name] + sq if name in totals else sq
     finally:
         # The hooks hold the module inputs; removing them lets the graph go with the call.

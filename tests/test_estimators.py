@@ -799,3 +799,52 @@ def test_direct_transposed_convolution_gradients_follow_the_calls_output_size():
             ]
         )
         torch.testing.assert_close(got[n], want, msg=n)
+
+
+class _AddBias(nn.Module):
+    """``y = x + b`` with ``b`` shaped like one sample: replayed per sample, its ``vjp`` for
+    ``b`` is the output gradient itself (no copy)."""
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b
+
+
+class _TwoHeads(nn.Module):
+    """Two replayed heads on one tensor, summed: both receive the same output gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 1, 3, padding=1)
+        self.head1, self.head2 = _AddBias((1, 1, 4, 4)), _AddBias((1, 1, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.conv(x)
+        return self.head1(z) + self.head2(z)
+
+
+@pytest.mark.parametrize(
+    "model", [_TwoHeads, lambda: _AddBias((1, 2, 4, 4))], ids=["shared", "last"]
+)
+def test_replayed_gradients_that_alias_the_output_gradient_are_squared_once(model):
+    """Per-sample gradients are squared in place; a replay's alias of ``g`` must be copied
+    first, or one head's squares would overwrite the other's (or the vectors)."""
+    from lsn_ext.estimators import _monte_carlo
+
+    torch.manual_seed(0)
+    net = model().double()
+    x = torch.randn(3, 2, 4, 4)
+    y = (torch.rand_like(net(x)) > 0.5).double()
+    noise = torch.randn(2, *net(x).shape, generator=torch.Generator().manual_seed(1))
+    capture = _monte_carlo(net, x, y, BCEWithLogits(), 2, None, None, noise.clone())
+    whole = _monte_carlo(net, x, y, BCEWithLogits(), 2, None, None, noise.clone(), _force="model")
+    assert set(capture.mc_paths.values()) == {"module"}
+    for k, d in capture.diagonals.items():
+        torch.testing.assert_close(d, whole.diagonals[k], rtol=1e-9, atol=1e-14, msg=k)
+    vectors = BCEWithLogits().hessian_sqrt(net(x).detach(), y, noise)
+    for name in [n for n in capture.diagonals if n.endswith("b")]:  # J = I: Σ_s Σ_n s_n² / S
+        want = vectors.square().sum(1).mean(0)
+        torch.testing.assert_close(capture.diagonals[name], want.reshape_as(whole.diagonals[name]))
