@@ -309,10 +309,10 @@ def _conv_sample_grads(
         return (gw.view(n, *w.shape) if mask[1] else None, gb.view(n, -1) if mask[2] else None)
 
     def per_sample() -> tuple[Tensor | None, Tensor | None]:
-        one = w.new_zeros(()).expand(w.shape)
+        # The weight itself (contiguous): CPU kernels copy a stand-in expanded zero per call.
         args = (bias, stride, padding, dilation, transposed, out_padding, groups, mask)
         parts = [
-            torch.ops.aten.convolution_backward(g[i : i + 1], x[i : i + 1], one, *args)
+            torch.ops.aten.convolution_backward(g[i : i + 1], x[i : i + 1], w, *args)
             for i in range(n)
         ]
         return tuple(torch.stack([p[k] for p in parts]) if mask[k] else None for k in (1, 2))
