@@ -216,7 +216,8 @@ def write_report(
             "variance within 2 px of the mask boundary ÷ the band's share of the pixels. "
             "Logit sd and abs mu (the mean logit's size): medians over the test pixels. "
             "Collapsed: IoU below 0.05. Train s: mean training time of one SSN on one torch "
-            "thread, wall clock, two units side by side.",
+            "thread, wall clock, two units side by side and at times beside other jobs: a "
+            "rough cost, not a benchmark.",
             "",
             "## Paired per seed: expected BCE − Eq. 11",
             "",
