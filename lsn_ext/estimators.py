@@ -376,14 +376,14 @@ def _norm_sample_grads(
     else:
         dims = tuple(range(2, x.dim()))
 
-    def total(t: Tensor) -> Tensor:  # a new tensor: the caller squares it in place
-        return t.sum(dims) if dims else t.clone()
+    def total(t: Tensor) -> Tensor:
+        return t.sum(dims) if dims else t
 
     grads: dict[str, Tensor] = {}
     if want_w:
         grads["weight"] = total(g * rule.standardised(module, x))
-    if want_b:
-        grads["bias"] = total(g)
+    if want_b:  # without summed dims this is g itself: a copy, as the caller squares in place
+        grads["bias"] = _own(total(g), g)
     return grads
 
 
@@ -957,7 +957,7 @@ def _run(
                     continue
                 captured.add(name)
                 # In place: every per-sample gradient owns its memory (a new tensor from the
-                # direct kernels or _gather's sums, or _own's copy of a replay's alias).
+                # direct kernels or _gather's sums, or _own's copy of an alias of g).
                 sq = g.square_().sum(0)
                 totals[name] = totals[name] + sq if name in totals else sq
     finally:

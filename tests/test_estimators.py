@@ -826,8 +826,23 @@ class _TwoHeads(nn.Module):
         return self.head1(z) + self.head2(z)
 
 
+class _TwoNorms(nn.Module):
+    """Two layer norms over all of a sample: their per-sample bias gradients are ``g`` itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 1, 3, padding=1)
+        self.norm1, self.norm2 = nn.LayerNorm((1, 4, 4)), nn.LayerNorm((1, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.conv(x)
+        return self.norm1(z) + self.norm2(z)
+
+
 @pytest.mark.parametrize(
-    "model", [_TwoHeads, lambda: _AddBias((1, 2, 4, 4))], ids=["shared", "last"]
+    "model",
+    [_TwoHeads, lambda: _AddBias((1, 2, 4, 4)), _TwoNorms],
+    ids=["shared", "last", "shared-layernorm"],
 )
 def test_replayed_gradients_that_alias_the_output_gradient_are_squared_once(model):
     """Per-sample gradients are squared in place; a replay's alias of ``g`` must be copied
