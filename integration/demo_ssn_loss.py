@@ -78,8 +78,12 @@ PAPER = Config(10, 20, "logsumexp")  # the LSN paper's SSN (Eq. 11)
 def grid(ranks: list[int], samples: list[int]) -> list[Config]:
     """Every configuration, in the order of ``samples`` (``M = 1`` once: both losses are the
     same function there)."""
-    losses = lambda m: ("expected",) if m == 1 else LOSSES  # noqa: E731
-    return [Config(r, m, loss) for m in samples for r in ranks for loss in losses(m)]
+    return [
+        Config(r, m, loss)
+        for m in samples
+        for r in ranks
+        for loss in (("expected",) if m == 1 else LOSSES)
+    ]
 
 
 def unit(seed: int, config: Config, quick: bool) -> dict:
