@@ -38,6 +38,12 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch._C import (
+    _get_function_stack_at,
+    _len_torch_function_stack,
+    _pop_torch_function_stack,
+    _push_on_torch_function_stack,
+)
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
@@ -138,9 +144,10 @@ def diag_backprop(
     loss_fn = as_loss(loss)
     if ce_first_step not in ("exact", "diag"):
         raise ValueError(f"ce_first_step must be 'exact' or 'diag', got {ce_first_step!r}")
-    names, chosen = _select_params(model, params)
+    named_params = list(model.named_parameters())
+    names, chosen = _select_params(model, params, named_params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    _check_inputs(model, args)
+    _check_inputs(model, args, named_params)
 
     session = _Session(model)
     with torch.enable_grad(), session:
@@ -181,11 +188,17 @@ def diag_backprop(
     return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
 
 
-def _check_inputs(model: nn.Module, args: Sequence[Any]) -> None:
+def _check_inputs(
+    model: nn.Module,
+    args: Sequence[Any],
+    named_params: Sequence[tuple[str, Tensor]] | None = None,
+) -> None:
     """Refuse non-finite weights (naming the parameter) and empty, non-finite or mistyped inputs.
 
     A single NaN pixel or weight would otherwise make every entry of the curvature NaN (or,
-    for a NaN that is masked downstream, silently wrong).
+    for a NaN that is masked downstream, silently wrong). The weights and inputs are checked
+    together with one host synchronisation (see :func:`_finite`). ``named_params`` is
+    ``model.named_parameters()`` where the caller has it already.
 
     Raises:
         RuntimeError: Under ``torch.inference_mode()`` (autograd cannot be switched on there).
@@ -200,22 +213,13 @@ def _check_inputs(model: nn.Module, args: Sequence[Any]) -> None:
             "off even inside torch.enable_grad(); call the fit (or this function) outside the "
             "inference_mode block (torch.no_grad() is fine)"
         )
-    floating = [(name, p) for name, p in model.named_parameters() if p.is_floating_point()]
-    finite_params = _finite([p for _, p in floating])
-    for (name, p), ok in zip(floating, finite_params, strict=True):
-        if not ok:
-            bad = int((~torch.isfinite(p)).sum())
-            raise ValueError(
-                f"parameter '{name}' {tuple(p.shape)} has {bad} non-finite (NaN or inf) "
-                "entries; the curvature of such a model is undefined. Check the training run "
-                "(divergence?) or the checkpoint"
-            )
+    if named_params is None:
+        named_params = list(model.named_parameters())
+    floating = [(name, p) for name, p in named_params if p.is_floating_point()]
     dtypes = {p.dtype for _, p in floating}
-    takes_indices = any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
-    for i, x in enumerate(args):
-        if not isinstance(x, Tensor):
-            continue
-        if not (x.is_floating_point() or x.is_complex()) and not takes_indices and dtypes:
+    inputs = [(i, x) for i, x in enumerate(args) if isinstance(x, Tensor)]
+    for i, x in inputs:
+        if not (x.is_floating_point() or x.is_complex()) and dtypes and not _takes_indices(model):
             raise TypeError(
                 f"input {i} has dtype {x.dtype}, but the model computes in "
                 f"{', '.join(sorted(map(str, dtypes)))}; convert the images first, e.g. "
@@ -230,23 +234,38 @@ def _check_inputs(model: nn.Module, args: Sequence[Any]) -> None:
             raise ValueError(
                 f"input {i} has an empty batch (shape {tuple(x.shape)}); pass at least one sample"
             )
-        if x.is_floating_point() or x.is_complex():
-            finite = torch.isfinite(x)
-            if not bool(finite.all()):
-                where = tuple(int(j) for j in (~finite).nonzero()[0])
-                raise ValueError(
-                    f"input {i} {tuple(x.shape)} has {int((~finite).sum())} non-finite (NaN or "
-                    f"inf) entries, the first at index {where}; clean or mask the input"
-                )
+    numeric = [(i, x) for i, x in inputs if x.is_floating_point() or x.is_complex()]
+    finite = _finite([p for _, p in floating] + [x for _, x in numeric])
+    for (name, p), ok in zip(floating, finite, strict=False):
+        if not ok:
+            bad = int((~torch.isfinite(p)).sum())
+            raise ValueError(
+                f"parameter '{name}' {tuple(p.shape)} has {bad} non-finite (NaN or inf) "
+                "entries; the curvature of such a model is undefined. Check the training run "
+                "(divergence?) or the checkpoint"
+            )
+    for (i, x), ok in zip(numeric, finite[len(floating) :], strict=True):
+        if not ok:
+            bad = ~torch.isfinite(x)
+            where = tuple(int(j) for j in bad.nonzero()[0])
+            raise ValueError(
+                f"input {i} {tuple(x.shape)} has {int(bad.sum())} non-finite (NaN or "
+                f"inf) entries, the first at index {where}; clean or mask the input"
+            )
+
+
+def _takes_indices(model: nn.Module) -> bool:
+    """Whether the model has embeddings, which take integer inputs."""
+    return any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
 
 
 def _check_finite_logits(f: Tensor) -> None:
     """Raise ``FloatingPointError`` when the model output has non-finite entries."""
-    finite = torch.isfinite(f)
-    if not bool(finite.all()):
-        where = tuple(int(j) for j in (~finite).nonzero()[0])
+    if not _finite([f])[0]:
+        bad = ~torch.isfinite(f)
+        where = tuple(int(j) for j in bad.nonzero()[0])
         raise FloatingPointError(
-            f"the model output {tuple(f.shape)} has {int((~finite).sum())} non-finite entries, "
+            f"the model output {tuple(f.shape)} has {int(bad.sum())} non-finite entries, "
             f"the first at index {where}, although inputs and weights are finite: overflow in "
             f"{f.dtype} or non-finite buffers (e.g. batch-norm running statistics); check them, "
             "or compute in float64"
@@ -330,8 +349,8 @@ def _check_db_diagonals(diagonals: dict[str, Tensor]) -> None:
         RuntimeError: A negative entry.
     """
     named = {name: d.detach() for name, d in diagonals.items() if d.numel() > 0}
-    values = _to_host([torch.stack(torch.aminmax(d)) for d in named.values()])
-    for (name, d), (lo, hi) in zip(named.items(), values, strict=True):
+    flat = _to_host([v for d in named.values() for v in torch.aminmax(d)])
+    for (name, d), lo, hi in zip(named.items(), flat[::2], flat[1::2], strict=True):
         if not (math.isfinite(lo) and math.isfinite(hi)):
             raise FloatingPointError(
                 f"the DB diagonal of '{name}' is not finite (overflow in {d.dtype}); check the "
@@ -376,9 +395,17 @@ def check_logits(logits: Any) -> None:
 
 
 def _select_params(
-    model: nn.Module, params: Sequence[Tensor] | None
+    model: nn.Module,
+    params: Sequence[Tensor] | None,
+    named_params: Sequence[tuple[str, Tensor]] | None = None,
 ) -> tuple[list[str], list[Tensor]]:
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    """Names and tensors of ``params`` (default: all with ``requires_grad``), in model order.
+
+    ``named_params`` is ``model.named_parameters()`` where the caller has it already.
+    """
+    if named_params is None:
+        named_params = list(model.named_parameters())
+    named = [(n, p) for n, p in named_params if p.requires_grad]
     if params is None:
         if not named:
             raise ValueError("the model has no parameter with requires_grad=True")
@@ -426,6 +453,24 @@ class _Call:
     run: Callable[[Tensor], Tensor]
     index: int
     param_names: tuple[str, ...]
+    flags: _Flags
+
+
+@dataclass(frozen=True)
+class _Flags:
+    """What a rule node keeps for backward: the input, the output; whether the layer is in place."""
+
+    keep_x: bool
+    keep_y: bool
+    inplace: bool
+
+    @classmethod
+    def of(cls, module: nn.Module, rule: Rule) -> _Flags:
+        # Not getattr(module, "inplace", False) alone: a module without the attribute raises
+        # (and formats) an AttributeError in nn.Module.__getattr__, on every module and call.
+        has = "inplace" in module.__dict__ or hasattr(type(module), "inplace")
+        inplace = has and bool(module.inplace)
+        return cls(rule.reads_input(module), rule.reads_output(module), inplace)
 
 
 class _RuleFunction(torch.autograd.Function):
@@ -437,11 +482,9 @@ class _RuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call: _Call, x: Tensor, *params: Tensor):
-        rule = call.rule
         fwd = call.forward_mode
-        inplace = getattr(call.module, "inplace", False)
-        keep_x, keep_y = rule.reads_input(call.module), rule.reads_output(call.module)
-        x_in = x.clone() if (keep_x or fwd) and inplace else x
+        keep_x, keep_y = call.flags.keep_x, call.flags.keep_y
+        x_in = x.clone() if (keep_x or fwd) and call.flags.inplace else x
         y = call.run(x)
         if y is x:
             ctx.mark_dirty(x)
@@ -452,7 +495,8 @@ class _RuleFunction(torch.autograd.Function):
             y = y.detach()
         ctx.call = call
         ctx.save_for_backward(x_in if keep_x else None, y if keep_y else None)
-        ctx.like = ((x.shape, x.dtype), (y.shape, y.dtype))
+        # For the meta placeholder of a tensor the rule does not read (the output's is m_out's).
+        ctx.x_like = None if keep_x else (x.shape, x.dtype)
         if fwd:
             # Not ctx.save_for_forward: it keeps the output on the node, and the output keeps
             # the node (a cycle through C++ that leaks the graph). jvp runs once, right after
@@ -486,10 +530,11 @@ class _RuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, m_out: Tensor):
         call: _Call = ctx.call
-        x, y = (
-            t if t is not None else torch.empty(shape, dtype=dtype, device="meta")
-            for t, (shape, dtype) in zip(ctx.saved_tensors, ctx.like, strict=True)
-        )
+        x, y = ctx.saved_tensors
+        if x is None:
+            x = torch.empty(ctx.x_like[0], dtype=ctx.x_like[1], device="meta")
+        if y is None:
+            y = torch.empty(m_out.shape, dtype=m_out.dtype, device="meta")
         need_input = ctx.needs_input_grad[1]
         need_params = any(ctx.needs_input_grad[2:])
         block = call.blocks.take(call.index)
@@ -573,10 +618,10 @@ class _Session(TorchFunctionMode):
 
     def __enter__(self):
         try:
-            modules = list(self.model.modules())  # each module once
+            modules = _modules(self.model)
             register_adapters_for(modules)
             for module in modules:
-                if parametrize.is_parametrized(module):
+                if _is_parametrized(module):
                     raise NotImplementedError(_parametrized_message(self.describe(module), module))
                 rule = RULES.get(type(module))
                 if rule is None:
@@ -624,6 +669,7 @@ class _Session(TorchFunctionMode):
         previous = module.__dict__.get("forward")
         run_original = previous if previous is not None else type(module).forward.__get__(module)
         own = tuple(n for n, p in module._parameters.items() if p is not None)
+        flags = _Flags.of(module, rule)
 
         def forward(*args: Any, **kwargs: Any) -> Tensor:
             if kwargs or len(args) != 1 or not isinstance(args[0], Tensor):
@@ -632,10 +678,17 @@ class _Session(TorchFunctionMode):
                     f"{len(kwargs)} keyword arguments; its rule takes one tensor input"
                 )
             x = args[0]
-            params = [getattr(module, n) for n in own]
-            if not (x.requires_grad or any(p.requires_grad for p in params)):
-                return run_original(x)
-            return self.apply_rule(module, rule, x, run_original, own, params)
+            # The rule describes everything the module computes: the session's mode has nothing
+            # to inspect in it, and each tensor attribute it would route costs a Python call.
+            popped = _pop_mode_if_top(self)
+            try:
+                params = [module._parameters[n] for n in own]
+                if x.requires_grad or any(p.requires_grad for p in params):
+                    return self.apply_rule(module, rule, x, run_original, own, params, flags)
+            finally:
+                if popped:
+                    _push_on_torch_function_stack(self)
+            return run_original(x)
 
         # A plain instance attribute shadows the class's forward; nn.Module.__setattr__ is
         # bypassed because a function is neither a parameter, a buffer nor a module.
@@ -755,10 +808,18 @@ class _Session(TorchFunctionMode):
         run: Callable[[Tensor], Tensor],
         param_names: tuple[str, ...] = (),
         params: Sequence[Tensor] = (),
+        flags: _Flags | None = None,
     ) -> Tensor:
         """Run ``run(x)`` as one DB node with ``rule``."""
         call = _Call(
-            self.forward_mode, self.blocks, module, rule, run, next(self.counter), param_names
+            self.forward_mode,
+            self.blocks,
+            module,
+            rule,
+            run,
+            next(self.counter),
+            param_names,
+            flags or _Flags.of(module, rule),
         )
         return _RuleFunction.apply(call, x, *params)
 
@@ -837,12 +898,46 @@ class _Session(TorchFunctionMode):
         )
 
 
+def _pop_mode_if_top(mode: TorchFunctionMode) -> bool:
+    """Take ``mode`` off the torch-function mode stack if it is on top; whether it was."""
+    depth = _len_torch_function_stack()
+    if depth and _get_function_stack_at(depth - 1) is mode:
+        _pop_torch_function_stack()
+        return True
+    return False
+
+
 def _identity_functions() -> tuple[type, ...]:
     """The identity Functions of torch itself, inserted by full backward hooks (BackPACK)."""
     from torch.nn.modules import _functions
 
     hook = getattr(_functions, "BackwardHookFunction", None)
     return (hook,) if hook is not None else ()
+
+
+def _modules(model: nn.Module) -> list[nn.Module]:
+    """``list(model.modules())``: each module once, in pre-order.
+
+    Without the nested generators of ``named_modules``, which cost about 1 µs per module and
+    level on every call.
+    """
+    seen: set[int] = set()
+    found: list[nn.Module] = []
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        stack.extend(reversed([c for c in module._modules.values() if c is not None]))
+    return found
+
+
+def _is_parametrized(module: nn.Module) -> bool:
+    """``parametrize.is_parametrized`` without its ``getattr`` (an exception per plain module)."""
+    holder = module._modules.get("parametrizations")
+    return isinstance(holder, nn.ModuleDict) and parametrize.is_parametrized(module)
 
 
 def _parametrized_message(where: str, module: nn.Module) -> str:
@@ -866,8 +961,13 @@ def _is_foreign_function(node: Any) -> bool:
     """
     if not isinstance(node, torch.autograd.function.BackwardCFunction):
         return False
-    known = (_RuleFunction, _ScaleFunction, _ProductFunction, *_identity_functions())
-    return node._forward_cls not in known
+    return node._forward_cls not in _known_functions()
+
+
+@functools.cache
+def _known_functions() -> tuple[type, ...]:
+    """This module's rule nodes and torch's identities (see :func:`_is_foreign_function`)."""
+    return (_RuleFunction, _ScaleFunction, _ProductFunction, *_identity_functions())
 
 
 def _inplace(name: str) -> bool:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import math
 import sys
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -75,6 +74,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lsn_ext._functional import functional_call_all
+from lsn_ext._kernels import choose, timing_applies
 from lsn_ext.engine import (
     DiagBackpropResult,
     _bind,
@@ -281,11 +281,11 @@ def _conv_sample_grads(
     ``[1, N·C_out, *S']``; the weight's values do not enter its gradient, so one zero expanded
     to the grouped weight's shape stands in for the weight repeated ``N`` times), or ``N`` calls
     on one sample each. The grouped kernel is one call, but oneDNN's CPU kernels for it are
-    several times slower than ``N`` plain ones at some shapes (measured: 5.5 ms against 0.6 ms
-    for 128 → 128 channels at 4², batch 8, one thread). On CPU, the first call of each signature
-    (shapes, convolution arguments, dtype, threads) times both and keeps the faster; on other
-    devices, and under ``torch.use_deterministic_algorithms(True)`` (the two kernels round
-    differently, and a timing is not reproducible), the grouped kernel serves.
+    several times slower than ``N`` plain ones at some shapes (measured on a quiet machine:
+    4.5 ms against 0.75 ms for 128 → 128 channels at 4², batch 8, one thread). On CPU, the first
+    call of each signature (shapes, convolution arguments, dtype, threads) times both and keeps
+    the faster (:func:`lsn_ext._kernels.choose`); on other devices, and under
+    ``torch.use_deterministic_algorithms(True)``, the grouped kernel serves.
 
     Args:
         g: Output gradient ``[N, C_out, *S']``, contiguous.
@@ -317,37 +317,13 @@ def _conv_sample_grads(
         ]
         return tuple(torch.stack([p[k] for p in parts]) if mask[k] else None for k in (1, 2))
 
-    if x.device.type != "cpu" or n == 1 or torch.are_deterministic_algorithms_enabled():
+    if n == 1 or not timing_applies(x):
         return grouped()
     key = (
         x.shape, g.shape, w.shape, bias is None, *map(tuple, (stride, padding, dilation)),
         transposed, tuple(out_padding), groups, tuple(mask), x.dtype, torch.get_num_threads(),
     )  # fmt: skip
-    loop = _LOOP_FASTER.get(key)
-    if loop is None:
-        loop = _LOOP_FASTER[key] = _faster(per_sample, grouped)
-    return per_sample() if loop else grouped()
-
-
-def _faster(a: Callable[[], object], b: Callable[[], object], reps: int = 2) -> bool:
-    """Whether ``a`` runs faster than ``b``: best of ``reps`` runs each, after a warm-up.
-
-    ``b`` failing with a ``RuntimeError`` counts as slower; ``a`` must not fail.
-    """
-    try:
-        b()
-    except RuntimeError:
-        return True
-    a()
-    best = {}
-    for name, f in (("a", a), ("b", b)):
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-        best[name] = min(times)
-    return best["a"] < best["b"]
+    return per_sample() if choose(_LOOP_FASTER, key, per_sample, grouped) else grouped()
 
 
 def _norm_sample_grads(
@@ -776,9 +752,10 @@ def _monte_carlo(
     parameters the verified call did, else they fall back to verified calls for good. Inputs
     that cannot carry a gradient (integer tensors) keep every call verified.
     """
-    names, chosen = _select_params(model, params)
+    named_params = list(model.named_parameters())
+    names, chosen = _select_params(model, params, named_params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    _check_inputs(model, args)
+    _check_inputs(model, args, named_params)
     register_adapters_for(model)
     key = _signature(args, names)
     replan = _force is not None or key in _REPLAN.get(model, set())

@@ -1,5 +1,4 @@
 import copy
-import time
 
 import pytest
 import torch
@@ -696,7 +695,11 @@ def conv_kernel(request, monkeypatch):
     from lsn_ext import estimators
 
     monkeypatch.setattr(estimators, "_LOOP_FASTER", {})
-    monkeypatch.setattr(estimators, "_faster", lambda a, b: request.param == "per-sample")
+    monkeypatch.setattr(
+        estimators,
+        "choose",
+        lambda cache, key, a, b: cache.setdefault(key, request.param == "per-sample"),
+    )
     return request.param
 
 
@@ -728,7 +731,7 @@ def test_deterministic_algorithms_keep_the_grouped_kernel(monkeypatch):
     from lsn_ext import estimators
 
     monkeypatch.setattr(estimators, "_LOOP_FASTER", {})
-    monkeypatch.setattr(estimators, "_faster", lambda a, b: True)  # the loop would win
+    monkeypatch.setattr(estimators, "choose", lambda cache, key, a, b: cache.setdefault(key, True))
     conv = nn.Conv2d(2, 3, 3, padding=1)
     x = torch.randn(4, 2, 5, 5)
     g = torch.randn(4, 3, 5, 5)
@@ -743,23 +746,6 @@ def test_deterministic_algorithms_keep_the_grouped_kernel(monkeypatch):
         [torch.autograd.grad(conv(x[i : i + 1]), conv.weight, g[i : i + 1])[0] for i in range(4)]
     )
     torch.testing.assert_close(got["weight"], want)
-
-
-def test_faster_keeps_the_faster_kernel_and_counts_a_failing_one_as_slower():
-    from lsn_ext.estimators import _faster
-
-    def slow() -> None:
-        time.sleep(0.02)
-
-    def fast() -> None:
-        pass
-
-    def failing() -> None:
-        raise RuntimeError("no kernel for this shape")
-
-    assert _faster(fast, slow)
-    assert not _faster(slow, fast)
-    assert _faster(slow, failing)
 
 
 def test_direct_gradients_leave_other_modules_to_the_replay():

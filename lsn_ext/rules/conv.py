@@ -5,7 +5,8 @@ single weight or a single input value (for fixed output and input positions at m
 tap connects them). Squaring the Jacobian therefore squares the kernel or the input, and the DB
 step is the layer's own backward pass with squared operands. One call of
 ``torch.ops.aten.convolution_backward(m, x², W²)`` yields the input, weight and bias diagonals
-together.
+together; at stride 1 on CPU the input diagonal may come from a forward convolution instead, where
+that is faster (timed once per signature).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lsn_ext._kernels import choose, timing_applies
 from lsn_ext.rules.base import Rule, _total
 
 __all__ = ["ConvRule"]
@@ -179,6 +181,60 @@ def _geometry(module: _ConvNd, x: Tensor, y: Tensor) -> _Geometry:
     return _Geometry(x, x_shape, padding, output_padding, pad, mode, unbatched)
 
 
+_SPLIT_FASTER: dict[tuple, bool] = {}
+"""Per CPU convolution signature: whether the input rule as a forward convolution is faster."""
+
+
+def _forward_conv_applies(module: _ConvNd, geo: _Geometry) -> bool:
+    """Whether :func:`_input_by_forward_conv` computes the input rule of ``module``.
+
+    For a convolution (not transposed) with stride 1 whose padding is at most the dilated
+    kernel's extent less one in every dim, so that the adjoint's padding is not negative.
+    """
+    return (
+        not module.transposed
+        and all(s == 1 for s in module.stride)
+        and all(
+            p <= d * (k - 1)
+            for p, d, k in zip(geo.padding, module.dilation, module.kernel_size, strict=True)
+        )
+    )
+
+
+def _input_by_forward_conv(module: _ConvNd, geo: _Geometry, m: Tensor, w_sq: Tensor) -> Tensor:
+    """``∂_x conv(m; W ∘ W)`` as a forward convolution of ``m``, ``[N, C_in, *spatial']``.
+
+    For stride 1 the input gradient of a convolution is the convolution of the output gradient
+    with the kernel flipped in space and with input and output channels swapped (per group),
+    dilated alike and padded by ``dilation · (kernel − 1) − padding``. Exact, like the fused
+    kernel; oneDNN's forward kernels are up to several times faster than its input-gradient
+    kernels at some shapes (few channels at high resolution) and a little slower at others, so
+    :meth:`ConvRule.backward` times both once per signature on CPU.
+    """
+    g, d = module.groups, len(module.kernel_size)
+    c_out = w_sq.shape[0]
+    kernel = (
+        w_sq.reshape(g, c_out // g, *w_sq.shape[1:])
+        .transpose(1, 2)
+        .reshape(w_sq.shape[1] * g, c_out // g, *w_sq.shape[2:])
+        .flip(list(range(2, 2 + d)))
+    )
+    padding = [
+        di * (k - 1) - p
+        for di, k, p in zip(module.dilation, module.kernel_size, geo.padding, strict=True)
+    ]
+    conv = (F.conv1d, F.conv2d, F.conv3d)[d - 1]
+    return conv(m, kernel, None, 1, padding, module.dilation, g)
+
+
+def _signature(module: _ConvNd, geo: _Geometry, m: Tensor, mask: list[bool]) -> tuple:
+    """What the faster of two convolution kernels depends on (see :data:`_SPLIT_FASTER`)."""
+    return (
+        geo.x.shape, m.shape, module.weight.shape, module.bias is None, tuple(geo.padding),
+        tuple(module.dilation), module.groups, tuple(mask), m.dtype, torch.get_num_threads(),
+    )  # fmt: skip
+
+
 class ConvRule(Rule):
     """Exact rule for ``Conv1d/2d/3d`` and ``ConvTranspose1d/2d/3d`` with any geometry.
 
@@ -233,7 +289,12 @@ class ConvRule(Rule):
         need_input: bool = True,
         need_params: bool = True,
     ) -> tuple[Tensor | None, dict[str, Tensor]]:
-        """All diagonals from one ``convolution_backward(m_out, x², W²)`` call.
+        """All diagonals from ``convolution_backward(m_out, x², W²)``.
+
+        One call gives all three. For convolutions with stride 1 on CPU, the input diagonal may
+        instead come from a forward convolution (:func:`_input_by_forward_conv`) beside a call
+        for the parameters only, where that was faster when timed on the first call of the
+        signature (shapes, padding, dilation, groups, dtype, threads).
 
         Args:
             module: The convolution.
@@ -254,20 +315,33 @@ class ConvRule(Rule):
         mask = [need_input, need_params, need_params and has_bias]
         if not any(mask):
             return None, {}
+        m = geo.batch(m_out.detach())
         x_in = geo.x.detach()
-        grad_in, grad_w, grad_b = torch.ops.aten.convolution_backward(
-            geo.batch(m_out.detach()),
-            x_in * x_in if need_params else x_in,
-            module.weight.detach() * module.weight.detach(),
-            [module.out_channels] if has_bias else None,
-            list(module.stride),
-            geo.padding,
-            list(module.dilation),
-            module.transposed,
-            geo.output_padding,
-            module.groups,
-            mask,
+        x_sq = x_in * x_in if need_params else x_in
+        w = module.weight.detach()
+        w_sq = w * w
+
+        def squared_backward(out_mask: list[bool]) -> tuple[Tensor | None, ...]:
+            return torch.ops.aten.convolution_backward(
+                m, x_sq, w_sq, [module.out_channels] if has_bias else None,
+                list(module.stride), geo.padding, list(module.dilation), module.transposed,
+                geo.output_padding, module.groups, out_mask,
+            )  # fmt: skip
+
+        def split() -> tuple[Tensor | None, ...]:
+            params = squared_backward([False, *mask[1:]]) if need_params else (None,) * 3
+            return _input_by_forward_conv(module, geo, m, w_sq), *params[1:]
+
+        def fused() -> tuple[Tensor | None, ...]:
+            return squared_backward(mask)
+
+        split_serves = (
+            need_input
+            and _forward_conv_applies(module, geo)
+            and timing_applies(m)
+            and choose(_SPLIT_FASTER, _signature(module, geo, m, mask), split, fused)
         )
+        grad_in, grad_w, grad_b = split() if split_serves else fused()
         m_in = geo.to_input(grad_in) if need_input else None
         diags: dict[str, Tensor] = {}
         if need_params:

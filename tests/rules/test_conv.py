@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lsn_ext.rules import ConvRule
+from lsn_ext.rules import conv as conv_rules
 from tests.reference import (
     assert_rule_matches,
     block_input_rule,
@@ -28,6 +29,7 @@ CASES = {
         (2, 2, 7),
     ),
     "conv1d-unbatched": (lambda: nn.Conv1d(2, 3, 3, padding=1), (2, 7)),
+    "conv1d-pad-beyond-kernel": (lambda: nn.Conv1d(2, 2, 3, padding=3), (2, 2, 5)),
     "conv2d-pad1": (lambda: nn.Conv2d(2, 3, 3, padding=1), (2, 2, 4, 4)),
     "conv2d-stride-pad-tuples": (
         lambda: nn.Conv2d(2, 2, (3, 2), stride=(2, 1), padding=(1, 0)),
@@ -77,10 +79,54 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["fused", "forward-conv"])
+def input_kernel(request, monkeypatch):
+    """Which way the input diagonal is computed (the CPU timing would choose one)."""
+    monkeypatch.setattr(conv_rules, "_SPLIT_FASTER", {})
+    monkeypatch.setattr(
+        conv_rules,
+        "choose",
+        lambda cache, key, a, b: cache.setdefault(key, request.param == "forward-conv"),
+    )
+    return request.param
+
+
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-def test_conv_rule_matches_jacrev(case):
+def test_conv_rule_matches_jacrev(case, input_kernel):
     make, shape = case
-    assert_rule_matches(ConvRule(), make(), torch.randn(shape))
+    module = make()
+    assert_rule_matches(ConvRule(), module, torch.randn(shape))
+    # The forward convolution applies at stride 1 with padding ≤ dilation · (kernel − 1).
+    reach = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+    padding = [0] * len(reach) if isinstance(module.padding, str) else module.padding
+    applies = set(module.stride) == {1} and all(map(int.__le__, padding, reach))
+    if applies and not module.transposed:  # the chosen kernel served
+        assert set(conv_rules._SPLIT_FASTER.values()) == {input_kernel == "forward-conv"}
+    else:
+        assert conv_rules._SPLIT_FASTER == {}
+
+
+def test_input_kernels_are_not_timed_in_deterministic_mode(monkeypatch):
+    monkeypatch.setattr(conv_rules, "_SPLIT_FASTER", {})
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    x = torch.randn(2, 2, 5, 5)
+    mode = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert_rule_matches(ConvRule(), conv, x)
+    finally:
+        torch.use_deterministic_algorithms(mode)
+    assert conv_rules._SPLIT_FASTER == {}
+
+
+def test_input_kernel_choice_is_timed_once_per_signature(monkeypatch):
+    monkeypatch.setattr(conv_rules, "_SPLIT_FASTER", {})
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    for n in (2, 2, 3):
+        x = torch.randn(n, 2, 5, 5)
+        y = conv(x).detach()
+        ConvRule().backward(conv, x, y, torch.rand_like(y))
+    assert len(conv_rules._SPLIT_FASTER) == 2  # batch 2 once, batch 3 once
 
 
 # Non-zero padding modes: name -> factory taking the mode, and the input shape.
