@@ -72,7 +72,8 @@ class TanhRule(ElementwiseRule):
         return 1 - y * y
 
     def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
-        return torch.ops.aten.tanh_backward(torch.ops.aten.tanh_backward(m_out, y), y)
+        m = torch.ops.aten.tanh_backward(m_out, y)
+        return torch.ops.aten.tanh_backward.grad_input(m, y, grad_input=m)  # m is ours
 
 
 class SigmoidRule(ElementwiseRule):
@@ -84,7 +85,8 @@ class SigmoidRule(ElementwiseRule):
         return y * (1 - y)
 
     def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
-        return torch.ops.aten.sigmoid_backward(torch.ops.aten.sigmoid_backward(m_out, y), y)
+        m = torch.ops.aten.sigmoid_backward(m_out, y)
+        return torch.ops.aten.sigmoid_backward.grad_input(m, y, grad_input=m)  # m is ours
 
 
 class ReLURule(ElementwiseRule):
