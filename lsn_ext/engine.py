@@ -680,14 +680,10 @@ class _Session(TorchFunctionMode):
             x = args[0]
             # The rule describes everything the module computes: the session's mode has nothing
             # to inspect in it, and each tensor attribute it would route costs a Python call.
-            popped = _pop_mode_if_top(self)
-            try:
+            with _ModeAside(self):
                 params = [module._parameters[n] for n in own]
                 if x.requires_grad or any(p.requires_grad for p in params):
                     return self.apply_rule(module, rule, x, run_original, own, params, flags)
-            finally:
-                if popped:
-                    _push_on_torch_function_stack(self)
             return run_original(x)
 
         # A plain instance attribute shadows the class's forward; nn.Module.__setattr__ is
@@ -898,13 +894,30 @@ class _Session(TorchFunctionMode):
         )
 
 
-def _pop_mode_if_top(mode: TorchFunctionMode) -> bool:
-    """Take ``mode`` off the torch-function mode stack if it is on top; whether it was."""
-    depth = _len_torch_function_stack()
-    if depth and _get_function_stack_at(depth - 1) is mode:
-        _pop_torch_function_stack()
-        return True
-    return False
+class _ModeAside:
+    """Context: ``mode`` off the torch-function mode stack, if on top, while our own code runs.
+
+    For code of the library's own (a rule node, a hook) inside a forward pass under a mode that
+    has nothing to inspect there: every tensor operation and attribute read would otherwise be
+    routed through the mode's Python ``__torch_function__``.
+    """
+
+    __slots__ = ("mode", "popped")
+
+    def __init__(self, mode: TorchFunctionMode):
+        self.mode = mode
+        self.popped = False
+
+    def __enter__(self) -> None:
+        depth = _len_torch_function_stack()
+        if depth and _get_function_stack_at(depth - 1) is self.mode:
+            _pop_torch_function_stack()
+            self.popped = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.popped:
+            _push_on_torch_function_stack(self.mode)
+            self.popped = False
 
 
 def _identity_functions() -> tuple[type, ...]:
