@@ -21,10 +21,11 @@ Rademacher GGN-vector product; its error involves every off-diagonal GGN entry, 
 this benchmark measures cost, not accuracy). A peer that fails on a network has the reason in its
 row, as raised (BackPACK's converter traces the model with ``torch.fx``; where tracing succeeds,
 the converted graph can still be wired wrongly, and the error then comes from a layer). After one
-warm-up call of each method the methods alternate within each repetition
-(A B C A B C ...), so that load drifts hit all alike; the table gives the median time and the
-median of the per-repetition ratios method / training step. A method whose warm-up took more
-than ``SLOW`` training steps is timed in the first ``--slow-reps`` repetitions only.
+warm-up call of each method the methods alternate within each repetition, each right after a
+training step of its own (S A S B S C, S A S B S C, ...), so that load drifts hit all alike and
+each ratio pairs two calls made one after the other; the table gives the median time and the
+median of the paired ratios method / training step. A method whose warm-up took more than
+``SLOW`` training steps is timed in the first ``--slow-reps`` repetitions only.
 
 Networks: the LSN paper's U-Net (``bench_db``'s, 3 → 1 channels, BCE) at 64² and 128², batch 8;
 MONAI ``BasicUNet`` with its default features (32, 32, 64, 128, 256, 32), instance norm and
@@ -88,8 +89,8 @@ NETWORKS = {
 }
 # (network, edge length, batch, default repetitions: fewer where one call takes tens of seconds)
 TIME_CASES = (
-    ("unet", 64, 8, 10),
-    ("unet", 128, 8, 5),
+    ("unet", 64, 8, 40),
+    ("unet", 128, 8, 10),
     ("basicunet2d", 128, 8, 3),
     ("basicunet3d", 64, 1, 2),
 )
@@ -265,13 +266,18 @@ def time_case(case: Case, reps: int, slow_reps: int) -> dict[str, dict]:
         m: min(reps, slow_reps) if out[m]["warmup"] > SLOW * out["train"]["warmup"] else reps
         for m in calls
     }
+    for m in calls:
+        out[m]["ratios"] = []
     for r in range(reps):
         for m, call in calls.items():
-            if r < n_reps[m]:
-                out[m]["times"].append(_timed(call, case.device))
-    for m in calls:
-        train = out["train"]["times"]
-        out[m]["ratios"] = [t / s for t, s in zip(out[m]["times"], train, strict=False)]
+            if m == "train" or r >= n_reps[m]:
+                continue
+            step = _timed(calls["train"], case.device)
+            t = _timed(call, case.device)
+            out["train"]["times"].append(step)
+            out["train"]["ratios"].append(1.0)
+            out[m]["times"].append(t)
+            out[m]["ratios"].append(t / step)
     del model, x, y, calls
     gc.collect()
     return out
@@ -304,10 +310,10 @@ def time_table(cases: list[tuple[Case, int]], slow_reps: int) -> str:
             "### Time relative to a training step",
             "",
             "Training step = forward + summed loss + backward + Adam step. time: median over the "
-            "repetitions [ms]; ratio: median over the repetitions of (method's time / the "
-            "training step's time in the same repetition); reps: timed repetitions after one "
+            "repetitions [ms]; ratio: median over the repetitions of (method's time / the time "
+            "of the training step run right before it); reps: timed repetitions after one "
             "warm-up call (fewer for a method slower than "
-            f"{SLOW:g} steps at warm-up).",
+            f"{SLOW:g} steps at warm-up; the training step's count is of all its paired runs).",
             "",
             "| network | method | time [ms] | ratio to step | reps | target | result |",
             "|---|---|---|---|---|---|---|",

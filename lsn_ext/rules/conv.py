@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lsn_ext._kernels import choose, timing_applies
+from lsn_ext._kernels import faster, timing_applies
 from lsn_ext.rules.base import Rule, _total
 
 __all__ = ["ConvRule"]
@@ -213,12 +213,15 @@ def _input_by_forward_conv(module: _ConvNd, geo: _Geometry, m: Tensor, w_sq: Ten
     """
     g, d = module.groups, len(module.kernel_size)
     c_out = w_sq.shape[0]
-    kernel = (
-        w_sq.reshape(g, c_out // g, *w_sq.shape[1:])
-        .transpose(1, 2)
-        .reshape(w_sq.shape[1] * g, c_out // g, *w_sq.shape[2:])
-        .flip(list(range(2, 2 + d)))
-    )
+    if g == 1:
+        kernel = w_sq.transpose(0, 1)
+    else:
+        kernel = (
+            w_sq.reshape(g, c_out // g, *w_sq.shape[1:])
+            .transpose(1, 2)
+            .reshape(w_sq.shape[1] * g, c_out // g, *w_sq.shape[2:])
+        )
+    kernel = kernel.flip(list(range(2, 2 + d)))
     padding = [
         di * (k - 1) - p
         for di, k, p in zip(module.dilation, module.kernel_size, geo.padding, strict=True)
@@ -227,11 +230,12 @@ def _input_by_forward_conv(module: _ConvNd, geo: _Geometry, m: Tensor, w_sq: Ten
     return conv(m, kernel, None, 1, padding, module.dilation, g)
 
 
-def _signature(module: _ConvNd, geo: _Geometry, m: Tensor, mask: list[bool]) -> tuple:
+def _signature(module: _ConvNd, geo: _Geometry, m: Tensor, need_params: bool) -> tuple:
     """What the faster of two convolution kernels depends on (see :data:`_SPLIT_FASTER`)."""
     return (
-        geo.x.shape, m.shape, module.weight.shape, module.bias is None, tuple(geo.padding),
-        tuple(module.dilation), module.groups, tuple(mask), m.dtype, torch.get_num_threads(),
+        type(module), geo.x.shape, m.shape, module.weight.shape, module.bias is None,
+        tuple(geo.padding), module.dilation, module.groups, module.transposed, module.stride,
+        need_params, m.dtype, torch.get_num_threads(),
     )  # fmt: skip
 
 
@@ -335,12 +339,13 @@ class ConvRule(Rule):
         def fused() -> tuple[Tensor | None, ...]:
             return squared_backward(mask)
 
-        split_serves = (
-            need_input
-            and _forward_conv_applies(module, geo)
-            and timing_applies(m)
-            and choose(_SPLIT_FASTER, _signature(module, geo, m, mask), split, fused)
-        )
+        split_serves = False
+        if need_input and timing_applies(m):
+            key = _signature(module, geo, m, need_params)
+            split_serves = _SPLIT_FASTER.get(key)
+            if split_serves is None:  # once per signature
+                applies = _forward_conv_applies(module, geo)
+                split_serves = _SPLIT_FASTER[key] = applies and faster(split, fused)
         grad_in, grad_w, grad_b = split() if split_serves else fused()
         m_in = geo.to_input(grad_in) if need_input else None
         diags: dict[str, Tensor] = {}
