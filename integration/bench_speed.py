@@ -283,20 +283,63 @@ def time_case(case: Case, reps: int, slow_reps: int) -> dict[str, dict]:
     return out
 
 
-def time_table(cases: list[tuple[Case, int]], slow_reps: int) -> str:
+def _time_in_processes(case: Case, reps: int, slow_reps: int, processes: int) -> dict:
+    """:func:`time_case` in ``processes`` fresh processes, pooled per method.
+
+    Each method's times and ratios are pooled over the processes; ``medians`` holds each
+    process's median ratio. A method that fails in any process is reported as failing.
+    """
+    shown: set[str] = set()
+    runs = [_run_time_worker(case, reps, slow_reps, shown) for _ in range(processes)]
+    pooled: dict[str, dict] = {}
+    for m in runs[0]:
+        failed = next((run[m] for run in runs if "error" in run[m]), None)
+        if failed is not None:
+            pooled[m] = failed
+            continue
+        pooled[m] = {
+            "times": [t for run in runs for t in run[m]["times"]],
+            "ratios": [r for run in runs for r in run[m]["ratios"]],
+            "medians": [statistics.median(run[m]["ratios"]) for run in runs],
+        }
+    return pooled
+
+
+def _run_time_worker(case: Case, reps: int, slow_reps: int, shown: set[str]) -> dict:
+    """One fresh process's :func:`time_case`; prints its report lines not in ``shown`` yet."""
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--_time-worker",
+        json.dumps({**asdict(case), "reps": reps, "slow_reps": slow_reps}),
+        "--threads",
+        str(torch.get_num_threads()),
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"time worker failed ({case.label}):\n{out.stderr}")
+    for line in out.stdout.splitlines()[:-1]:  # the peers' failures, once
+        if line not in shown:
+            shown.add(line)
+            print(line, flush=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def time_table(cases: list[tuple[Case, int]], slow_reps: int, processes: int) -> str:
     rows = []
     for case, reps in cases:
-        res = time_case(case, reps, slow_reps)
+        res = _time_in_processes(case, reps, slow_reps, processes)
         for m, r in res.items():
             target = None if case.quick else TIME_TARGETS.get((case.net, case.size, m))
             if "error" in r:
-                cells = [f"fails: {r['error']}", "—", "0"]
+                cells = [f"fails: {r['error']}", "—", "—", "0"]
                 verdict = "FAIL (fails)" if target is not None else "—"
             else:
                 ratio = statistics.median(r["ratios"])
                 cells = [
                     f"{statistics.median(r['times']) * 1e3:.0f}",
                     f"{ratio:.2f}",
+                    f"{min(r['medians']):.2f}–{max(r['medians']):.2f}",
                     str(len(r["times"])),
                 ]
                 verdict = "—" if target is None else ("PASS" if ratio <= target else "FAIL")
@@ -311,12 +354,15 @@ def time_table(cases: list[tuple[Case, int]], slow_reps: int) -> str:
             "",
             "Training step = forward + summed loss + backward + Adam step. time: median over the "
             "repetitions [ms]; ratio: median over the repetitions of (method's time / the time "
-            "of the training step run right before it); reps: timed repetitions after one "
-            "warm-up call (fewer for a method slower than "
+            "of the training step run right before it); per process: the range of the "
+            f"{processes} processes' own medians (each case runs in {processes} fresh "
+            "process(es), and the repetitions of all are pooled); reps: timed repetitions after "
+            "one warm-up call per process (fewer for a method slower than "
             f"{SLOW:g} steps at warm-up; the training step's count is of all its paired runs).",
             "",
-            "| network | method | time [ms] | ratio to step | reps | target | result |",
-            "|---|---|---|---|---|---|---|",
+            "| network | method | time [ms] | ratio to step | per process | reps | target "
+            "| result |",
+            "|---|---|---|---|---|---|---|---|",
             *rows,
         ]
     )
@@ -472,11 +518,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--out", type=Path, default=RESULTS, help=f"report file (default {RESULTS.name})"
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        help="fresh processes per time case, repetitions pooled (default 3; 1 with --quick)",
+    )
     parser.add_argument("--_memory-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--_time-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_default_dtype(torch.float32)
 
     torch.set_num_threads(args.threads)
+    if args._time_worker:
+        spec = json.loads(args._time_worker)
+        reps, slow_reps = spec.pop("reps"), spec.pop("slow_reps")
+        print(json.dumps(time_case(Case(**spec), reps, slow_reps)))
+        return
     if args._memory_worker:
         spec = json.loads(args._memory_worker)
         method = spec.pop("method")
@@ -498,7 +555,8 @@ def main(argv: list[str] | None = None) -> None:
         _header(args),
     ]
     if "time" in args.parts:
-        sections.append(time_table(time_cases, args.slow_reps))
+        processes = args.processes or (1 if args.quick else 3)
+        sections.append(time_table(time_cases, args.slow_reps, processes))
     if "memory" in args.parts:
         sections.append(memory_table(memory_cases))
     load = os.getloadavg()

@@ -53,7 +53,9 @@ def test_time_table_has_every_method_and_network(report):
         assert float(cells[2]) > 0
         ratio = float(cells[3])
         assert 0 < ratio < math.inf
-        assert int(cells[4]) >= 1
+        low, high = map(float, cells[4].split("–"))  # one process: its median is the ratio
+        assert low == high == ratio
+        assert int(cells[5]) >= 1
     assert all(rows[n, "training step"][3] == "1.00" for n in NETWORKS)
 
 
@@ -76,3 +78,31 @@ def test_header_records_torch_threads_device_and_load(report):
     assert "torch threads 1" in header
     assert "Device: cpu." in header
     assert "Load average (1, 5, 15 min) at the start" in header
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # bench_speed imports bench_db
+    from tests.scripts import load_script
+
+    yield from load_script("bench_speed")
+
+
+def test_time_cases_pool_their_processes_and_keep_each_median(bench, monkeypatch):
+    runs = iter(
+        [
+            {"train": {"times": [1.0, 1.0], "ratios": [1.0, 1.0]},
+             "db": {"times": [1.1, 1.3], "ratios": [1.1, 1.3]},
+             "peer": {"error": "set-up: no"}},
+            {"train": {"times": [2.0], "ratios": [1.0]},
+             "db": {"times": [2.4], "ratios": [1.2]},
+             "peer": {"times": [3.0], "ratios": [1.5]}},
+        ]
+    )  # fmt: skip
+    monkeypatch.setattr(bench, "_run_time_worker", lambda *args: next(runs))
+    case = bench.Case("unet", 32, 2, True, "cpu")
+    pooled = bench._time_in_processes(case, 2, 2, processes=2)
+    assert pooled["db"]["ratios"] == [1.1, 1.3, 1.2]
+    assert pooled["db"]["medians"] == pytest.approx([1.2, 1.2])
+    assert pooled["train"]["times"] == [1.0, 1.0, 2.0]
+    assert pooled["peer"] == {"error": "set-up: no"}  # failing in one process is failing
