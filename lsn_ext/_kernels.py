@@ -25,12 +25,20 @@ def timing_applies(t: Tensor) -> bool:
 
 
 def choose(
-    cache: dict[Hashable, bool], key: Hashable, a: Callable[[], object], b: Callable[[], object]
+    cache: dict[Hashable, bool],
+    key: Hashable,
+    a: Callable[[], object],
+    b: Callable[[], object],
+    when: Callable[[], bool] | None = None,
 ) -> bool:
-    """Whether ``a`` serves for ``key``: :func:`faster` on the first call, cached after."""
+    """Whether ``a`` serves for ``key``: :func:`faster` on the first call, cached after.
+
+    ``when`` says whether ``a`` can serve at all (asked once per key, before any timing);
+    where it cannot, ``b`` serves without a timing.
+    """
     use_a = cache.get(key)
     if use_a is None:
-        use_a = cache[key] = faster(a, b)
+        use_a = cache[key] = (when is None or when()) and faster(a, b)
     return use_a
 
 

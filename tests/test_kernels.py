@@ -39,6 +39,23 @@ def test_choose_times_once_per_key():
     assert not choose(cache, "other", _slow, _fast)
 
 
+def test_choose_asks_when_once_and_times_nothing_where_a_cannot_serve():
+    asked, calls = [], []
+
+    def cannot() -> bool:
+        asked.append(1)
+        return False
+
+    def counted() -> None:
+        calls.append(1)
+
+    cache: dict = {}
+    assert not choose(cache, "k", _fast, counted, when=cannot)
+    assert not choose(cache, "k", _fast, counted, when=cannot)
+    assert (len(asked), len(calls), cache) == (1, 0, {"k": False})
+    assert choose(cache, "other", _fast, _slow, when=lambda: True)
+
+
 def test_timing_applies_on_cpu_outside_deterministic_mode():
     t = torch.zeros(1)
     mode = torch.are_deterministic_algorithms_enabled()

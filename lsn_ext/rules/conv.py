@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lsn_ext._kernels import faster, timing_applies
+from lsn_ext._kernels import choose, timing_applies
 from lsn_ext.rules.base import Rule, _total
 
 __all__ = ["ConvRule"]
@@ -339,13 +339,17 @@ class ConvRule(Rule):
         def fused() -> tuple[Tensor | None, ...]:
             return squared_backward(mask)
 
-        split_serves = False
-        if need_input and timing_applies(m):
-            key = _signature(module, geo, m, need_params)
-            split_serves = _SPLIT_FASTER.get(key)
-            if split_serves is None:  # once per signature
-                applies = _forward_conv_applies(module, geo)
-                split_serves = _SPLIT_FASTER[key] = applies and faster(split, fused)
+        split_serves = (
+            need_input
+            and timing_applies(m)
+            and choose(
+                _SPLIT_FASTER,
+                _signature(module, geo, m, need_params),
+                split,
+                fused,
+                when=lambda: _forward_conv_applies(module, geo),
+            )
+        )
         grad_in, grad_w, grad_b = split() if split_serves else fused()
         m_in = geo.to_input(grad_in) if need_input else None
         diags: dict[str, Tensor] = {}
