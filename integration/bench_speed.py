@@ -307,22 +307,30 @@ def _time_in_processes(case: Case, reps: int, slow_reps: int, processes: int) ->
 
 def _run_time_worker(case: Case, reps: int, slow_reps: int, shown: set[str]) -> dict:
     """One fresh process's :func:`time_case`; prints its report lines not in ``shown`` yet."""
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--_time-worker",
-        json.dumps({**asdict(case), "reps": reps, "slow_reps": slow_reps}),
-        "--threads",
-        str(torch.get_num_threads()),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"time worker failed ({case.label}):\n{out.stderr}")
-    for line in out.stdout.splitlines()[:-1]:  # the peers' failures, once
+    spec = {**asdict(case), "reps": reps, "slow_reps": slow_reps}
+    lines, result = _worker("--_time-worker", spec)
+    for line in lines:  # the peers' failures, once
         if line not in shown:
             shown.add(line)
             print(line, flush=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _worker(flag: str, spec: dict, env: dict[str, str] | None = None) -> tuple[list[str], dict]:
+    """Run this script as a worker (``flag`` with ``spec`` as JSON) in a fresh process.
+
+    Returns the lines it printed before its last, and its last line parsed as JSON.
+
+    Raises:
+        RuntimeError: The worker failed, with its standard error.
+    """
+    cmd = [sys.executable, str(Path(__file__).resolve()), flag, json.dumps(spec)]
+    cmd += ["--threads", str(torch.get_num_threads())]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"worker {flag} {spec} failed:\n{out.stderr}")
+    *lines, last = out.stdout.strip().splitlines()
+    return lines, json.loads(last)
 
 
 def time_table(cases: list[tuple[Case, int]], slow_reps: int, processes: int) -> str:
@@ -397,20 +405,9 @@ def memory_worker(case: Case, method: str) -> dict:
 
 
 def _measure_memory(case: Case, method: str) -> dict:
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--_memory-worker",
-        json.dumps({**asdict(case), "method": method}),
-        "--threads",
-        str(torch.get_num_threads()),
-    ]
     # As in bench_db: a fixed mmap threshold and trimming make the RSS follow live tensors.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory worker failed ({method}, {case.label}):\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _worker("--_memory-worker", {**asdict(case), "method": method}, env)[1]
 
 
 def memory_table(cases: list[Case]) -> str:
