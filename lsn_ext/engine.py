@@ -236,7 +236,7 @@ def _check_inputs(
             )
     numeric = [(i, x) for i, x in inputs if x.is_floating_point() or x.is_complex()]
     finite = _finite([p for _, p in floating] + [x for _, x in numeric])
-    for (name, p), ok in zip(floating, finite, strict=False):
+    for (name, p), ok in zip(floating, finite[: len(floating)], strict=True):
         if not ok:
             bad = int((~torch.isfinite(p)).sum())
             raise ValueError(

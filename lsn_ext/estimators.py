@@ -1084,9 +1084,7 @@ def _probe(model: nn.Module, args: tuple) -> dict[int, bool]:
         ok[id(module)] = ok.get(id(module), True) and fine
 
     handles = [
-        m.register_forward_hook(hook, with_kwargs=True)
-        for m in {id(m): m for m in model.modules()}.values()
-        if m is not model
+        m.register_forward_hook(hook, with_kwargs=True) for m in _modules(model) if m is not model
     ]
     try:
         with torch.no_grad(), _RandomOpGuard(model):
