@@ -699,10 +699,13 @@ class _Verified:
     Attributes:
         captured: The parameters whose per-sample gradients the capture delivered.
         rerouted: Parameters moved to the whole-model path in its first draw.
+        fired: The module calls whose output gradient reached the capture in its first draw,
+            as ``(owner path, call index)``: every call that contributes to the logits.
     """
 
     captured: frozenset[str]
     rerouted: tuple[str, ...]
+    fired: frozenset[tuple[str, int]]
 
 
 def _monte_carlo(
@@ -751,7 +754,9 @@ def _monte_carlo(
     gradients, a second set of weight products beside the per-sample ones. It runs on the first
     call per model and input signature (every draw); later calls take the backward pass to the
     input only (no batch weight gradients) and check that the capture delivers exactly the
-    parameters the verified call did, else they fall back to verified calls for good. Inputs
+    parameters the verified call did, from the same module calls (a call whose output does not
+    depend on the input, e.g. a shared module applied to a buffer as well, is out of the input
+    pass's reach), else they fall back to verified calls for good. Inputs
     that cannot carry a gradient (integer tensors) keep every call verified. (Ending the pass at
     the tapped outputs instead would skip the first layer's input gradient, but autograd holds
     every requested gradient until the call returns: +10 MiB, 1.43× → 1.54× a training step's
@@ -839,6 +844,7 @@ def _run(
         whole += [n for n in verified.rerouted if n not in whole]
     rerouted: list[str] = []
     captured: set[str] = set()
+    fired: set[tuple[str, int]] = set()  # (owner path, call index) whose gradient arrived
 
     def check(module: nn.Module, _args: Any) -> None:
         try:
@@ -875,12 +881,15 @@ def _run(
             if not out.requires_grad:
                 return None
             tapped = out.clone() if out._is_view() else out
+            call = (owner.path, owner.calls)
             owner.calls += 1
-            if owner.block:
-                y = out.detach()
-                taps.append(tapped.register_hook(lambda g: owner.add(owner.block_grads(x, g, y))))
-            else:
-                taps.append(tapped.register_hook(lambda g: owner.add(owner.sample_grads(x, g))))
+            y = out.detach() if owner.block else None
+
+            def arrived(g: Tensor) -> None:
+                fired.add(call)
+                owner.add(owner.block_grads(x, g, y) if owner.block else owner.sample_grads(x, g))
+
+            taps.append(tapped.register_hook(arrived))
             return tapped if tapped is not out else None
 
         return hook
@@ -925,8 +934,13 @@ def _run(
                 )
                 total_grads = dict(zip(whole, grads[len(leaves) :], strict=True))
             per_sample, lost = _gather(owners, total_grads)
-            if verified is not None and set(per_sample) != verified.captured:
+            if verified is not None and (
+                set(per_sample) != verified.captured or fired != verified.fired
+            ):
                 raise _UnverifiedError(noise)
+            if k == 0:
+                first_fired = frozenset(fired)
+            fired.clear()
             if lost and k == 0:
                 # The capture cannot serve these: the whole model serves them, for all draws.
                 for owner in owners:
@@ -974,7 +988,7 @@ def _run(
     )
     found = None
     if verified is None and leaves:
-        found = _Verified(frozenset(captured), tuple(rerouted))
+        found = _Verified(frozenset(captured), tuple(rerouted), first_fired)
     return result, found
 
 

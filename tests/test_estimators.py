@@ -650,6 +650,35 @@ def test_a_capture_the_input_pass_cannot_reach_falls_back_to_verified_calls():
         torch.testing.assert_close(third.diagonals[name], diag, msg=name)
 
 
+class _SharedOnBuffer(nn.Module):
+    """One convolution applied to x and to a buffer: the input pass reaches one of its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 1, 3, padding=1)
+        self.register_buffer("c", torch.randn(3, 2, 5, 5))
+
+    def forward(self, x):
+        return self.conv(x) + self.conv(self.c)
+
+
+def test_a_module_call_the_input_pass_cannot_reach_falls_back_to_verified_calls():
+    # The captured parameters are the same either way (the call on x delivers them); only the
+    # count of calls that arrived tells that the call on the buffer is missing.
+    from lsn_ext.estimators import _VERIFIED
+
+    model = _SharedOnBuffer().double()
+    x, y = torch.randn(3, 2, 5, 5), (torch.rand(3, 1, 5, 5) > 0.5).double()
+    first = _mc(model, x, y, 1)
+    (record,) = _VERIFIED[model].values()
+    assert record.fired == {("conv", 0), ("conv", 1)}
+    second = _mc(model, x, y, 1)
+    assert next(iter(_VERIFIED[model].values())) is None
+    for name, diag in first.diagonals.items():
+        assert diag.abs().sum() > 0, name
+        torch.testing.assert_close(second.diagonals[name], diag, rtol=1e-12, atol=0, msg=name)
+
+
 DIRECT = {
     "conv1d-stride2": (lambda: nn.Conv1d(3, 4, 3, stride=2, padding=1), (5, 3, 9)),
     "conv2d-dilation-groups": (lambda: nn.Conv2d(4, 6, 3, dilation=2, groups=2), (3, 4, 7, 7)),
