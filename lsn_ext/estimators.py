@@ -58,10 +58,12 @@ independently.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -204,7 +206,7 @@ _NORMS: tuple[type[nn.Module], ...] = (
 
 
 def _direct_sample_grads(
-    module: nn.Module, names: dict[str, str], x: Tensor, g: Tensor
+    module: nn.Module, names: dict[str, str], x: Tensor, g: Tensor, squared: bool = False
 ) -> dict[str, Tensor] | None:
     """Per-sample gradients of a plain convolution, ``nn.Linear`` or norm layer without replay.
 
@@ -219,8 +221,11 @@ def _direct_sample_grads(
     replaced on the instance, a convolution with another padding mode or a padding string, and
     where the convolution's kernel fails (the caller then replays the module).
 
+    With ``squared``, the sums of their squares over the samples, ``Σ_n (J_nᵀ g_n)²``.
+
     Returns:
-        ``{own name: [N, *shape]}`` for the names in ``names``, or ``None``.
+        ``{own name: [N, *shape]}`` for the names in ``names`` (``{own name: shape}`` with
+        ``squared``), or ``None``.
     """
     if "forward" in vars(module):  # a forward replaced on the instance: replay that one
         return None
@@ -231,9 +236,12 @@ def _direct_sample_grads(
             out["weight"] = torch.einsum("n...o,n...i->noi", g, x)
         if want_b:
             out["bias"] = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
-        return out
+        return {k: _square_sum(v) for k, v in out.items()} if squared else out
     if type(module) in _NORMS:
-        return _norm_sample_grads(module, want_w, want_b, x, g)
+        out = _norm_sample_grads(module, want_w, want_b, x, g)
+        if out is None or not squared:
+            return out
+        return {k: _square_sum(v) for k, v in out.items()}
     transposed = type(module) in _CONV_T_DIMS
     dims = (_CONV_T_DIMS if transposed else _CONV_DIMS).get(type(module))
     if dims is None or module.padding_mode != "zeros" or isinstance(module.padding, str):
@@ -252,7 +260,7 @@ def _direct_sample_grads(
     conv = (module.stride, module.padding, module.dilation, transposed, out_padding)
     try:
         gw, gb = _conv_sample_grads(g.contiguous(), x.contiguous(), w, bias, conv, module.groups,
-                                    [False, want_w, want_b])  # fmt: skip
+                                    [False, want_w, want_b], squared)  # fmt: skip
     except RuntimeError:  # a kernel's limit on this convolution: replay the module instead
         return None
     grads: dict[str, Tensor] = {}
@@ -275,6 +283,7 @@ def _conv_sample_grads(
     conv: tuple,
     groups: int,
     mask: list[bool],
+    squared: bool = False,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Per-sample weight and bias gradients of a convolution, ``[N, *w.shape]`` and ``[N, C]``.
 
@@ -297,9 +306,12 @@ def _conv_sample_grads(
         conv: ``(stride, padding, dilation, transposed, output_padding)``.
         groups: The convolution's groups.
         mask: ``convolution_backward``'s output mask (input, weight, bias).
+        squared: Return ``Σ_n`` of their squares instead, ``w.shape`` and ``[C]`` (the loop over
+            samples then accumulates the squares and keeps no ``[N, *w.shape]`` tensor).
     """
     n = x.shape[0]
     stride, padding, dilation, transposed, out_padding = conv
+    shapes = [w.shape] + ([torch.Size(bias)] if bias is not None else [])
 
     def grouped() -> tuple[Tensor | None, Tensor | None]:
         _, gw, gb = torch.ops.aten.convolution_backward(
@@ -308,16 +320,30 @@ def _conv_sample_grads(
             None if bias is None else [n * bias[0]],
             stride, padding, dilation, transposed, out_padding, n * groups, mask,
         )  # fmt: skip
-        return (gw.view(n, *w.shape) if mask[1] else None, gb.view(n, -1) if mask[2] else None)
+        grads = (gw.view(n, *w.shape) if mask[1] else None, gb.view(n, -1) if mask[2] else None)
+        return tuple(_square_sum(t) if squared and t is not None else t for t in grads)
 
     def per_sample() -> tuple[Tensor | None, Tensor | None]:
         # The weight itself (contiguous): CPU kernels copy a stand-in expanded zero per call.
         args = (bias, stride, padding, dilation, transposed, out_padding, groups, mask)
-        parts = [
-            torch.ops.aten.convolution_backward(g[i : i + 1], x[i : i + 1], w, *args)
-            for i in range(n)
-        ]
-        return tuple(torch.stack([p[k] for p in parts]) if mask[k] else None for k in (1, 2))
+        # Squared, a large gradient is accumulated sample by sample as _square_sum would (the
+        # same numbers as squaring the stacked gradients), without the stack.
+        running = [squared and k < len(shapes) and _square_sum_loops(n, shapes[k]) for k in (0, 1)]
+        parts: list[list[Tensor]] = [[], []]
+        sums: list[Tensor | None] = [None, None]
+        for i in range(n):
+            grads = torch.ops.aten.convolution_backward(g[i : i + 1], x[i : i + 1], w, *args)[1:]
+            for k, t in enumerate(grads):
+                if not mask[k + 1]:
+                    continue
+                if not running[k]:
+                    parts[k].append(t)
+                else:  # a new tensor per sample: squared in place
+                    sums[k] = t.square_() if sums[k] is None else sums[k].addcmul_(t, t)
+        out = [sums[k] if running[k] else torch.stack(parts[k]) if mask[k + 1] else None
+               for k in (0, 1)]  # fmt: skip
+        return tuple(_square_sum(t) if squared and t is not None and not running[k] else t
+                     for k, t in enumerate(out))  # fmt: skip
 
     if n == 1 or not timing_applies(x):
         return grouped()
@@ -398,6 +424,8 @@ class _Owner:
         self.direct = not block  # try _direct_sample_grads
         self.calls = 0
         self.partial: dict[str, Tensor] | None = None
+        self.squares: dict[str, Tensor] | None = None  # this draw's Σ_n of squares (alone)
+        self.alone = False  # whether sample_squares may serve (set per call by _run)
 
     def sample_grads(self, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         """``J_nᵀ g_n`` w.r.t. this module's parameters, per sample: ``{name: [N, *shape]}``.
@@ -426,6 +454,20 @@ class _Owner:
         # be contiguous" in transposed convolutions after a rearrange).
         x, g = x.contiguous(), g.contiguous()
         return {k[2:]: _own(v, x, g) for k, v in _map(one, x, g).items()}
+
+    def sample_squares(self, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+        """``Σ_n (J_nᵀ g_n)²`` w.r.t. this module's parameters: ``{name: shape}``.
+
+        A leaf's share of one draw where nothing else adds to its per-sample gradients (see
+        :func:`_run`): the direct kernels accumulate the squares without keeping
+        ``[N, *shape]`` (:func:`_conv_sample_grads`).
+        """
+        if self.direct:
+            direct = _direct_sample_grads(self.module, self.names, x, g, squared=True)
+            if direct is not None:
+                return direct
+            self.direct = False
+        return {k: _square_sum(v) for k, v in self.sample_grads(x, g).items()}
 
     def block_grads(self, x: Tensor, g: Tensor, out: Tensor) -> dict[str, Tensor]:
         """As :meth:`sample_grads` for a block, replayed whole per sample (chunked).
@@ -488,6 +530,31 @@ def _own(t: Tensor, *inputs: Tensor) -> Tensor:
     if any(ptr == i.untyped_storage().data_ptr() for i in inputs):
         return t.clone()
     return t
+
+
+_SQUARE_SUM_LOOP = 2**14
+"""Entries per sample from which :func:`_square_sum` accumulates sample by sample."""
+
+
+def _square_sum_loops(n: int, shape: torch.Size) -> bool:
+    """Whether :func:`_square_sum` accumulates sample by sample for ``[n, *shape]``."""
+    return n > 1 and shape.numel() >= _SQUARE_SUM_LOOP
+
+
+def _square_sum(t: Tensor) -> Tensor:
+    """``Σ_n t_n²`` over dim 0 of ``t`` (``[N, *shape]`` → ``shape``), squaring ``t`` in place.
+
+    For large per-sample entries, ``t_0² + Σ_n t_n · t_n`` one sample at a time (the running sum
+    stays in cache; ``square_().sum(0)`` runs over ``t`` twice, and a sum over the outer dim is
+    several times slower than the accumulation for ``[8, 64, 192, 3, 3]``). Every caller squares
+    this way, so that a call that accumulates without stacking gives the same numbers.
+    """
+    if _square_sum_loops(t.shape[0], t.shape[1:]):
+        total = t[0].square()
+        for t_n in t[1:]:
+            total.addcmul_(t_n, t_n)
+        return total
+    return t.square_().sum(0)
 
 
 def _map(
@@ -620,6 +687,16 @@ def _gather(
     return per_sample, lost
 
 
+def _gather_squares(owners: list[_Owner]) -> dict[str, Tensor]:
+    """One draw's ``Σ_n (J_nᵀ s_n)²`` from the owners that squared their own share."""
+    squares: dict[str, Tensor] = {}
+    for owner in owners:
+        if owner.squares is not None:
+            squares.update({name: owner.squares[own] for own, name in owner.names.items()})
+        owner.squares = None
+    return squares
+
+
 def _lost(model: nn.Module, name: str, owners: list[_Owner], what: str) -> None:
     modules = " and ".join(o.describe() for o in owners if name in o.names.values())
     raise RuntimeError(
@@ -683,13 +760,15 @@ class _ReplanError(Exception):
 class _UnverifiedError(Exception):
     """A call without batch weight gradients captured other parameters than the verified one.
 
-    That model and input signature go back to verified calls for good. Carries the call's
-    random vectors ``z``, so that the verified rerun draws nothing new.
+    That model and input signature go back to verified calls for good, or, where the call
+    ended its backward pass at the entry modules' outputs (``at_entries``), to passes that end
+    at the input. Carries the call's random vectors ``z``, so that the rerun draws nothing new.
     """
 
-    def __init__(self, noise: Tensor):
+    def __init__(self, noise: Tensor, at_entries: bool):
         super().__init__()
         self.noise = noise
+        self.at_entries = at_entries
 
 
 @dataclass(frozen=True)
@@ -701,11 +780,14 @@ class _Verified:
         rerouted: Parameters moved to the whole-model path in its first draw.
         fired: The module calls whose output gradient reached the capture in its first draw,
             as ``(owner path, call index)``: every call that contributes to the logits.
+        entries: Whether later calls may end their backward pass at the outputs of the modules
+            called on the input itself (cleared where that missed a call).
     """
 
     captured: frozenset[str]
     rerouted: tuple[str, ...]
     fired: frozenset[tuple[str, int]]
+    entries: bool = True
 
 
 def _monte_carlo(
@@ -752,15 +834,18 @@ def _monte_carlo(
 
     Cost: the check that per-sample gradients sum to the batch gradients needs the batch weight
     gradients, a second set of weight products beside the per-sample ones. It runs on the first
-    call per model and input signature (every draw); later calls take the backward pass to the
-    input only (no batch weight gradients) and check that the capture delivers exactly the
-    parameters the verified call did, from the same module calls (a call whose output does not
-    depend on the input, e.g. a shared module applied to a buffer as well, is out of the input
-    pass's reach), else they fall back to verified calls for good. Inputs
-    that cannot carry a gradient (integer tensors) keep every call verified. (Ending the pass at
-    the tapped outputs instead would skip the first layer's input gradient, but autograd holds
-    every requested gradient until the call returns: +10 MiB, 1.43× → 1.54× a training step's
-    peak, on the paper's U-Net at 128², batch 8.)
+    call per model and input signature (every draw); later calls take the backward pass only
+    as far as the capture needs (no batch weight gradients) and check that it delivers exactly
+    the parameters the verified call did, from the same module calls (a call whose output does
+    not depend on the input, e.g. a shared module applied to a buffer as well, is out of the
+    pass's reach), else they fall back to verified calls for good. The pass ends at the outputs
+    of the modules called on the input itself (the *entries*: the first convolution of a
+    U-Net), which skips their input gradient (a 3-channel input at 64², batch 8: 0.55 ms of a
+    25 ms training step); where that misses a module call (the input also reaches a module
+    through other operations), at the input. Autograd holds the requested gradients until the
+    call returns, so only the entries' are requested, not every tapped output's (that cost
+    +10 MiB, 1.43× → 1.54× a training step's peak, on the paper's U-Net at 128², batch 8).
+    Inputs that cannot carry a gradient (integer tensors) keep every call verified.
     """
     named_params = list(model.named_parameters())
     names, chosen = _select_params(model, params, named_params)
@@ -784,7 +869,8 @@ def _monte_carlo(
             replan = True
             continue
         except _UnverifiedError as err:
-            known[key] = None  # verified calls from now on
+            # Verified calls from now on, or passes to the input where the entries missed one.
+            known[key] = dataclasses.replace(verified, entries=False) if err.at_entries else None
             noise = err.noise
             continue
         if key not in known and found is not None:
@@ -842,9 +928,17 @@ def _run(
         for owner in owners:
             owner.names = {o: n for o, n in owner.names.items() if n not in verified.rerouted}
         whole += [n for n in verified.rerouted if n not in whole]
+        # A leaf whose parameters no other owner holds, called once, squares its own share: no
+        # sums over calls or owners, and no check against batch gradients in these calls.
+        held = Counter(n for owner in owners for n in owner.names.values())
+        for owner in owners:
+            owner.alone = not owner.block and all(held[n] == 1 for n in owner.names.values())
     rerouted: list[str] = []
     captured: set[str] = set()
     fired: set[tuple[str, int]] = set()  # (owner path, call index) whose gradient arrived
+    at_entries = verified is not None and verified.entries
+    inputs = [args[i] for i in leaves]
+    entries: list[Tensor] = []  # outputs of the module calls on an input itself
 
     def check(module: nn.Module, _args: Any) -> None:
         try:
@@ -881,13 +975,20 @@ def _run(
             if not out.requires_grad:
                 return None
             tapped = out.clone() if out._is_view() else out
+            if at_entries and any(args[0] is t for t in inputs):
+                entries.append(tapped)
             call = (owner.path, owner.calls)
             owner.calls += 1
             y = out.detach() if owner.block else None
 
             def arrived(g: Tensor) -> None:
                 fired.add(call)
-                owner.add(owner.block_grads(x, g, y) if owner.block else owner.sample_grads(x, g))
+                if owner.alone and owner.calls == 1:
+                    owner.squares = owner.sample_squares(x, g)
+                elif owner.block:
+                    owner.add(owner.block_grads(x, g, y))
+                else:
+                    owner.add(owner.sample_grads(x, g))
 
             taps.append(tapped.register_hook(arrived))
             return tapped if tapped is not out else None
@@ -927,17 +1028,19 @@ def _run(
                     logits, chosen, vectors[k], retain_graph=keep, allow_unused=True
                 )
                 total_grads = dict(zip(names, grads, strict=True))
-            else:  # to the input: the hooks fire, no batch weight gradients beyond `whole`'s
-                wanted = [args[i] for i in leaves] + [by_name[n] for n in whole]
+            else:  # to the entries or the input: the hooks fire, no batch weight gradients
+                ends = entries or inputs  # beyond `whole`'s
+                wanted = ends + [by_name[n] for n in whole]
                 grads = torch.autograd.grad(
                     logits, wanted, vectors[k], retain_graph=keep, allow_unused=True
                 )
-                total_grads = dict(zip(whole, grads[len(leaves) :], strict=True))
+                total_grads = dict(zip(whole, grads[len(ends) :], strict=True))
             per_sample, lost = _gather(owners, total_grads)
+            squares = _gather_squares(owners)
             if verified is not None and (
-                set(per_sample) != verified.captured or fired != verified.fired
+                set(per_sample) | set(squares) != verified.captured or fired != verified.fired
             ):
-                raise _UnverifiedError(noise)
+                raise _UnverifiedError(noise, at_entries=bool(entries))
             if k == 0:
                 first_fired = frozenset(fired)
             fired.clear()
@@ -960,14 +1063,16 @@ def _run(
                 captured.add(name)
                 # In place: every per-sample gradient owns its memory (a new tensor from the
                 # direct kernels or _gather's sums, or _own's copy of an alias of g).
-                sq = g.square_().sum(0)
-                totals[name] = totals[name] + sq if name in totals else sq
+                squares[name] = _square_sum(g)
+            for name, sq in squares.items():
+                totals[name] = totals[name].add_(sq) if name in totals else sq
     finally:
         # The hooks hold the module inputs; removing them lets the graph go with the call.
         for tap in taps:
             tap.remove()
+        entries.clear()
         for owner in owners:
-            owner.partial = None
+            owner.partial = owner.squares = None
     del logits
     if whole:
         totals.update(_whole_model(model, args, names, chosen, whole, vectors, f, expected))

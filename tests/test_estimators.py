@@ -624,6 +624,122 @@ def test_calls_after_the_verified_one_give_the_same_estimate_without_batch_weigh
         torch.testing.assert_close(second.diagonals[name], diag, rtol=1e-12, atol=0, msg=name)
 
 
+def test_calls_after_the_verified_one_square_alone_and_repeat_its_numbers(conv_kernel, monkeypatch):
+    from lsn_ext import estimators
+
+    real, squared = estimators._Owner.sample_squares, []
+
+    def counted(self, x, g):
+        squared.append(self.path)
+        return real(self, x, g)
+
+    monkeypatch.setattr(estimators._Owner, "sample_squares", counted)
+    conv = nn.Conv2d(4, 64, 3, padding=1)  # 2,304 weights per sample: stacked
+    large = nn.Conv2d(64, 32, 3, padding=1)  # 18,432: accumulated per sample
+    model = nn.Sequential(conv, nn.Tanh(), large, nn.Tanh(), nn.Conv2d(32, 1, 1)).double()
+    x, y = torch.randn(3, 4, 6, 6), (torch.rand(3, 1, 6, 6) > 0.5).double()
+    first = _mc(model, x, y, 0)
+    assert squared == []  # the verified call keeps the per-sample gradients for its check
+    second = _mc(model, x, y, 0)
+    assert squared == ["4", "2", "0"] * 2  # two draws, in backward order
+    for name, diag in first.diagonals.items():
+        assert diag.abs().sum() > 0, name
+        assert torch.equal(second.diagonals[name], diag), name
+
+
+class _TiedTwice(nn.Module):
+    """One convolution called twice: its per-sample gradients are summed over the calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 1, 1)
+
+    def forward(self, x):
+        return self.head(self.conv(torch.tanh(self.conv(x))))
+
+
+def test_a_module_called_twice_sums_its_calls_before_squaring_after_the_verified_call(monkeypatch):
+    from lsn_ext import estimators
+
+    real, squared = estimators._Owner.sample_squares, []
+
+    def counted(self, x, g):
+        squared.append(self.path)
+        return real(self, x, g)
+
+    monkeypatch.setattr(estimators._Owner, "sample_squares", counted)
+    model = _TiedTwice().double()
+    x, y = torch.randn(3, 2, 5, 5), (torch.rand(3, 1, 5, 5) > 0.5).double()
+    noise = torch.randn(2, 3, 1, 5, 5, dtype=torch.double)
+    first = _monte_carlo(model, x, y, BCEWithLogits(), 2, None, None, noise)
+    second = _monte_carlo(model, x, y, BCEWithLogits(), 2, None, None, noise)
+    assert squared == ["head", "head"]  # the twice-called conv is not squared per call
+    want = _dense_mc(model, x, y, BCEWithLogits(), noise)
+    for name in want:
+        torch.testing.assert_close(first.diagonals[name], want[name], atol=1e-12, rtol=1e-9)
+        torch.testing.assert_close(second.diagonals[name], want[name], atol=1e-12, rtol=1e-9)
+
+
+def _spy_backward_ends(monkeypatch) -> list[list[tuple[int, ...]]]:
+    """The shapes of what each of the estimator's backward passes asked gradients for."""
+    from lsn_ext import estimators
+
+    ends, real = [], torch.autograd.grad
+
+    def grad(outputs, inputs, *args, **kwargs):
+        ends.append([tuple(t.shape) for t in inputs])
+        return real(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(estimators.torch.autograd, "grad", grad)
+    return ends
+
+
+def test_calls_after_the_verified_one_end_their_backward_pass_at_the_entry_modules(monkeypatch):
+    from lsn_ext.estimators import _VERIFIED
+
+    model = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 1, 1)).double()
+    x, y = torch.randn(3, 2, 5, 5), (torch.rand(3, 1, 5, 5) > 0.5).double()
+    first = _mc(model, x, y, 0)
+    ends = _spy_backward_ends(monkeypatch)
+    second = _mc(model, x, y, 0)
+    assert ends == [[(3, 4, 5, 5)]] * 2  # the first convolution's output, not the input
+    assert next(iter(_VERIFIED[model].values())).entries
+    for name, diag in first.diagonals.items():
+        assert torch.equal(second.diagonals[name], diag), name
+
+
+class _InputTwice(nn.Module):
+    """The input reaches one convolution directly and another through a ReLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(2, 1, 3, padding=1), nn.Conv2d(2, 1, 1)
+
+    def forward(self, x):
+        return self.a(x) + self.b(torch.relu(x))
+
+
+def test_entries_that_miss_a_module_call_give_way_to_passes_to_the_input(monkeypatch):
+    from lsn_ext.estimators import _VERIFIED
+
+    model = _InputTwice().double()
+    x, y = torch.randn(3, 2, 5, 5), (torch.rand(3, 1, 5, 5) > 0.5).double()
+    first = _mc(model, x, y, 0)
+    ends = _spy_backward_ends(monkeypatch)
+    second = _mc(model, x, y, 0)  # ends at a's output, misses b: redone to the input
+    assert ends == [[(3, 1, 5, 5)], [(3, 2, 5, 5)], [(3, 2, 5, 5)]]
+    record = next(iter(_VERIFIED[model].values()))
+    assert record is not None
+    assert not record.entries
+    ends.clear()
+    third = _mc(model, x, y, 0)
+    assert ends == [[(3, 2, 5, 5)]] * 2  # straight to the input
+    for name, diag in first.diagonals.items():
+        assert diag.abs().sum() > 0, name
+        assert torch.equal(second.diagonals[name], diag), name
+        assert torch.equal(third.diagonals[name], diag), name
+
+
 class _ConstantBranch(nn.Module):
     """A head whose input does not depend on x: the backward pass to x never reaches it."""
 
@@ -683,6 +799,7 @@ DIRECT = {
     "conv1d-stride2": (lambda: nn.Conv1d(3, 4, 3, stride=2, padding=1), (5, 3, 9)),
     "conv2d-dilation-groups": (lambda: nn.Conv2d(4, 6, 3, dilation=2, groups=2), (3, 4, 7, 7)),
     "conv2d-no-bias": (lambda: nn.Conv2d(2, 3, 1, bias=False), (3, 2, 4, 5)),
+    "conv2d-large-weight": (lambda: nn.Conv2d(64, 32, 3, padding=1), (3, 64, 4, 4)),
     "conv3d": (lambda: nn.Conv3d(2, 2, (1, 3, 3), padding=(0, 1, 1)), (2, 2, 3, 4, 4)),
     "linear-tokens": (lambda: nn.Linear(5, 3), (4, 6, 5)),
     "convT1d-stride2-outpad": (
@@ -754,6 +871,35 @@ def test_direct_per_sample_gradients_equal_the_per_sample_jacobian(case, which, 
             ]
         )
         torch.testing.assert_close(got[n], want, msg=n)
+
+
+@pytest.mark.parametrize("case", DIRECT.values(), ids=DIRECT.keys())
+def test_direct_squared_gradients_are_the_squares_of_the_per_sample_gradients(case, conv_kernel):
+    # Bit for bit: a call after the verified one squares this way (conv2d-large-weight: the
+    # per-sample loop accumulates without stacking) and must repeat the verified call's numbers.
+    from lsn_ext import estimators
+
+    make, shape = case
+    module = make()
+    x = torch.randn(shape)
+    g = torch.randn_like(module(x))
+    names = {n: n for n, _ in module.named_parameters()}
+    per_sample = estimators._direct_sample_grads(module, names, x, g)
+    squared = estimators._direct_sample_grads(module, names, x, g, squared=True)
+    assert set(squared) == set(names)
+    for n in names:
+        assert torch.equal(squared[n], estimators._square_sum(per_sample[n].clone())), n
+        torch.testing.assert_close(squared[n], per_sample[n].square().sum(0), msg=n)
+
+
+@pytest.mark.parametrize("shape", [(4, 3, 5), (4, 128, 130)], ids=["stacked", "accumulated"])
+def test_square_sum_is_the_sum_of_squares_over_the_samples(shape):
+    from lsn_ext.estimators import _SQUARE_SUM_LOOP, _square_sum
+
+    t = torch.randn(shape)
+    assert (t[0].numel() >= _SQUARE_SUM_LOOP) is (shape[1] == 128)
+    want = t.square().sum(0)
+    torch.testing.assert_close(_square_sum(t), want)
 
 
 def test_deterministic_algorithms_keep_the_grouped_kernel(monkeypatch):
