@@ -169,7 +169,9 @@ def _pad_vjp(pad_fn, x, m_pad):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("case", PADDED.values(), ids=PADDED.keys())
-def test_padding_mode_is_pad_layer_then_conv(case, mode):
+def test_padding_mode_is_pad_layer_then_conv(case, mode, input_kernel):
+    # input_kernel: the same way for input_rule and backward (each signature is timed on its
+    # own, and the two ways round differently; they are compared bit for bit below).
     make, shape = case
     module, x = make(mode), torch.randn(shape)
     with torch.no_grad():
