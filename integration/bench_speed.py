@@ -459,7 +459,24 @@ def _case(text: str) -> tuple[str, int, int, int]:
     return case
 
 
-def _header(args: argparse.Namespace) -> str:
+def _revision() -> str:
+    """The checkout's commit, and whether tracked code outside the results differs from it."""
+    root = Path(__file__).resolve().parent.parent
+    git = ["git", "-C", str(root)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()  # fmt: skip
+        changed = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+             ":!integration/results"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{commit} with uncommitted changes" if changed else commit
+
+
+def _header(args: argparse.Namespace, argv: list[str]) -> str:
     load = os.getloadavg()
     cpus = os.cpu_count() or 1
     device = args.device
@@ -471,9 +488,10 @@ def _header(args: argparse.Namespace) -> str:
         if load[0] > cpus
         else ""
     )
+    command = " ".join(["./dev bench speed", *argv])
     return (
-        f"{machine()} Device: {device}. Load average (1, 5, 15 min) at the start: "
-        f"{load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}.{busy}"
+        f"{machine()} Device: {device}. Command: `{command}`. Code: {_revision()}. Load average "
+        f"(1, 5, 15 min) at the start: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}.{busy}"
     )
 
 
@@ -522,6 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--_memory-worker", help=argparse.SUPPRESS)
     parser.add_argument("--_time-worker", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     torch.set_default_dtype(torch.float32)
 
@@ -549,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     sections = [
         "## Speed and memory against a training step" + (" (--quick)" if args.quick else ""),
-        _header(args),
+        _header(args, argv),
     ]
     if "time" in args.parts:
         processes = args.processes or (1 if args.quick else 3)

@@ -1,6 +1,7 @@
 """``integration/bench_speed.py --quick``: every method × network row, finite positive ratios."""
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,8 @@ def test_header_records_torch_threads_device_and_load(report):
     assert "torch threads 1" in header
     assert "Device: cpu." in header
     assert "Load average (1, 5, 15 min) at the start" in header
+    assert "Command: `./dev bench speed --quick" in header
+    assert re.search(r"Code: [0-9a-f]{7,}", header)
 
 
 @pytest.fixture
