@@ -603,6 +603,14 @@ def test_argument_errors(kwargs, match):
 # -- calls after the first skip the batch weight gradients -----------------------------------
 
 
+def _assert_same_estimate(first, *later):
+    """Every later result repeats the first one's diagonals bit for bit (all non-zero)."""
+    for name, diag in first.diagonals.items():
+        assert diag.abs().sum() > 0, name
+        for result in later:
+            assert torch.equal(result.diagonals[name], diag), name
+
+
 def _mc(model, x, y, seed):
     gen = torch.Generator().manual_seed(seed)
     return lsn_ext.ggn_diagonal(model, x, y, "bce", estimator="mc", mc_samples=2, generator=gen)
@@ -619,9 +627,7 @@ def test_calls_after_the_verified_one_give_the_same_estimate_without_batch_weigh
     assert record.captured == {n for n, _ in model.named_parameters()}
     second = _mc(model, x, y, 0)  # to the input only
     assert _VERIFIED[model][next(iter(_VERIFIED[model]))] is record
-    for name, diag in first.diagonals.items():
-        assert diag.abs().sum() > 0, name
-        torch.testing.assert_close(second.diagonals[name], diag, rtol=1e-12, atol=0, msg=name)
+    _assert_same_estimate(first, second)
 
 
 def test_calls_after_the_verified_one_square_alone_and_repeat_its_numbers(conv_kernel, monkeypatch):
@@ -642,9 +648,7 @@ def test_calls_after_the_verified_one_square_alone_and_repeat_its_numbers(conv_k
     assert squared == []  # the verified call keeps the per-sample gradients for its check
     second = _mc(model, x, y, 0)
     assert squared == ["4", "2", "0"] * 2  # two draws, in backward order
-    for name, diag in first.diagonals.items():
-        assert diag.abs().sum() > 0, name
-        assert torch.equal(second.diagonals[name], diag), name
+    _assert_same_estimate(first, second)
 
 
 class _TiedTwice(nn.Module):
@@ -713,8 +717,7 @@ def test_calls_after_the_verified_one_end_their_backward_pass_at_the_entry_modul
     second = _mc(model, x, y, 0)
     assert ends == [[end]] * 2
     assert next(iter(_VERIFIED[model].values())).entries
-    for name, diag in first.diagonals.items():
-        assert torch.equal(second.diagonals[name], diag), name
+    _assert_same_estimate(first, second)
 
 
 class _InputTwice(nn.Module):
@@ -743,10 +746,7 @@ def test_entries_that_miss_a_module_call_give_way_to_passes_to_the_input(monkeyp
     ends.clear()
     third = _mc(model, x, y, 0)
     assert ends == [[(3, 2, 5, 5)]] * 2  # straight to the input
-    for name, diag in first.diagonals.items():
-        assert diag.abs().sum() > 0, name
-        assert torch.equal(second.diagonals[name], diag), name
-        assert torch.equal(third.diagonals[name], diag), name
+    _assert_same_estimate(first, second, third)
 
 
 class _ConstantBranch(nn.Module):
@@ -799,9 +799,7 @@ def test_a_module_call_the_input_pass_cannot_reach_falls_back_to_verified_calls(
     assert record.fired == {("conv", 0), ("conv", 1)}
     second = _mc(model, x, y, 1)
     assert next(iter(_VERIFIED[model].values())) is None
-    for name, diag in first.diagonals.items():
-        assert diag.abs().sum() > 0, name
-        torch.testing.assert_close(second.diagonals[name], diag, rtol=1e-12, atol=0, msg=name)
+    _assert_same_estimate(first, second)
 
 
 DIRECT = {
