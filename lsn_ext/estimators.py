@@ -59,6 +59,7 @@ independently.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import warnings
@@ -419,13 +420,21 @@ class _Owner:
     def __init__(self, module: nn.Module, path: str, names: dict[str, str], block: bool = False):
         self.module, self.path, self.names = module, path, names  # own name → model name
         self.block = block
-        self.bare = _Bare(module)
         self.paired = isinstance(module, _PAIRED_REPLAY) and not block
         self.direct = not block  # try _direct_sample_grads
         self.calls = 0
         self.partial: dict[str, Tensor] | None = None
         self.squares: dict[str, Tensor] | None = None  # this draw's Σ_n of squares (alone)
         self.alone = False  # whether sample_squares may serve (set per call by _run)
+
+    @functools.cached_property
+    def bare(self) -> _Bare:
+        """The module without its hooks, for the replays.
+
+        Built on first use: most owners of a plain network never replay, and an ``nn.Module``
+        per owner and call costs.
+        """
+        return _Bare(self.module)
 
     def sample_grads(self, x: Tensor, g: Tensor) -> dict[str, Tensor]:
         """``J_nᵀ g_n`` w.r.t. this module's parameters, per sample: ``{name: [N, *shape]}``.
