@@ -329,7 +329,10 @@ def _conv_sample_grads(
         args = (bias, stride, padding, dilation, transposed, out_padding, groups, mask)
         # Squared, a large gradient is accumulated sample by sample as _square_sum would (the
         # same numbers as squaring the stacked gradients), without the stack.
-        running = [squared and k < len(shapes) and _square_sum_loops(n, shapes[k]) for k in (0, 1)]
+        running = [
+            squared and k < len(shapes) and _square_sum_loops(n, shapes[k], x.device)
+            for k in (0, 1)
+        ]
         parts: list[list[Tensor]] = [[], []]
         sums: list[Tensor | None] = [None, None]
         for i in range(n):
@@ -545,9 +548,12 @@ _SQUARE_SUM_LOOP = 2**14
 """Entries per sample from which :func:`_square_sum` accumulates sample by sample."""
 
 
-def _square_sum_loops(n: int, shape: torch.Size) -> bool:
-    """Whether :func:`_square_sum` accumulates sample by sample for ``[n, *shape]``."""
-    return n > 1 and shape.numel() >= _SQUARE_SUM_LOOP
+def _square_sum_loops(n: int, shape: torch.Size, device: torch.device) -> bool:
+    """Whether :func:`_square_sum` accumulates sample by sample for ``[n, *shape]``.
+
+    On CPU only: a GPU reads memory fast enough, and ``n`` kernel launches would cost more.
+    """
+    return device.type == "cpu" and n > 1 and shape.numel() >= _SQUARE_SUM_LOOP
 
 
 def _square_sum(t: Tensor) -> Tensor:
@@ -555,10 +561,10 @@ def _square_sum(t: Tensor) -> Tensor:
 
     For large per-sample entries, ``t_0² + Σ_n t_n · t_n`` one sample at a time (the running sum
     stays in cache; ``square_().sum(0)`` runs over ``t`` twice, and a sum over the outer dim is
-    several times slower than the accumulation for ``[8, 64, 192, 3, 3]``). Every caller squares
-    this way, so that a call that accumulates without stacking gives the same numbers.
+    several times slower than the accumulation for ``[8, 64, 192, 3, 3]``), on CPU. Every caller
+    squares this way, so that a call that accumulates without stacking gives the same numbers.
     """
-    if _square_sum_loops(t.shape[0], t.shape[1:]):
+    if _square_sum_loops(t.shape[0], t.shape[1:], t.device):
         total = t[0].square()
         for t_n in t[1:]:
             total.addcmul_(t_n, t_n)

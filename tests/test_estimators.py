@@ -909,6 +909,17 @@ def test_square_sum_is_the_sum_of_squares_over_the_samples(shape):
     torch.testing.assert_close(_square_sum(t), want)
 
 
+def test_square_sum_accumulates_sample_by_sample_on_cpu_only():
+    # On a GPU, n launches would cost more than the second pass over memory they save.
+    from lsn_ext.estimators import _square_sum_loops
+
+    large = torch.Size([128, 130])
+    assert _square_sum_loops(8, large, torch.device("cpu"))
+    assert not _square_sum_loops(8, large, torch.device("meta"))
+    assert not _square_sum_loops(1, large, torch.device("cpu"))
+    assert not _square_sum_loops(8, torch.Size([3, 5]), torch.device("cpu"))
+
+
 def test_deterministic_algorithms_keep_the_grouped_kernel(monkeypatch):
     from lsn_ext import estimators
 
