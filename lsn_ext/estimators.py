@@ -773,7 +773,9 @@ class _ReplanError(Exception):
 
 
 class _UnverifiedError(Exception):
-    """A call without batch weight gradients captured other parameters than the verified one.
+    """A call without batch weight gradients captured other parameters or module calls.
+
+    Other than the verified call for its model and input signature did (:class:`_Verified`).
 
     That model and input signature go back to verified calls for good, or, where the call
     ended its backward pass at the entry modules' outputs (``at_entries``), to passes that end
