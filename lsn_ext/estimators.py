@@ -773,11 +773,10 @@ class _ReplanError(Exception):
 
 
 class _UnverifiedError(Exception):
-    """A call without batch weight gradients captured other parameters or module calls.
+    """A call without batch weight gradients captured other than the verified call did.
 
-    Other than the verified call for its model and input signature did (:class:`_Verified`).
-
-    That model and input signature go back to verified calls for good, or, where the call
+    Other parameters, or the same ones through other module calls (:class:`_Verified`). That
+    model and input signature go back to verified calls for good, or, where the call
     ended its backward pass at the entry modules' outputs (``at_entries``), to passes that end
     at the input. Carries the call's random vectors ``z``, so that the rerun draws nothing new.
     """
