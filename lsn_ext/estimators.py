@@ -72,7 +72,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
-from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
@@ -84,6 +83,7 @@ from lsn_ext.engine import (
     _check_finite_logits,
     _check_finite_result,
     _check_inputs,
+    _is_parametrized,
     _ModeAside,
     _modules,
     _round_off,
@@ -1261,7 +1261,7 @@ def _plan(
         own = {n: wanted[id(p)] for n, p in module._parameters.items() if id(p) in wanted}
         if own:
             held.append((path, module, own))
-    simple = all(not m._modules and not parametrize.is_parametrized(m) for _, m, _ in held)
+    simple = all(not m._modules and not _is_parametrized(m) for _, m, _ in held)
     if simple and not replan:
         return [_Owner(m, path or "<model>", own) for path, m, own in held], []
     feasible = _probe(model, args)
@@ -1271,13 +1271,13 @@ def _plan(
     inside = {
         id(m)
         for pm in model.modules()
-        if parametrize.is_parametrized(pm)
+        if _is_parametrized(pm)
         for m in pm.parametrizations.modules()
     }
 
     def home(path: str, module: nn.Module) -> str | None:
         """``path`` itself for a serviceable leaf, an enclosing block's path, or None (model)."""
-        odd = bool(module._modules) or parametrize.is_parametrized(module) or id(module) in inside
+        odd = bool(module._modules) or _is_parametrized(module) or id(module) in inside
         if module is not model and not odd and feasible.get(id(module), True):
             return path
         p = path if module._modules else _parent(path)
