@@ -215,12 +215,14 @@ class _GroupStatsRule(Rule):
         """``x̂`` ``[B, G, K, S]`` and ``1/σ̃`` ``[B, G, 1, 1]``, in the dtype of ``x``.
 
         One fused ``aten.native_group_norm`` (without affine parameters) over the view: the
-        same biased variance and ``ε`` as the layer's forward pass.
+        same biased variance and ``ε`` as the layer's forward pass. The kernel needs a contiguous
+        input: a permuted batch of one (``LayerNorm(C)`` after ``x.permute(0, 2, 3, 1)``)
+        reshapes to a strided view, so it is copied first.
         """
         _, G, K, S = self._view(module, x)
         B = x.numel() // (G * K * S)
         x_hat, _, rstd = torch.ops.aten.native_group_norm(
-            x.detach().reshape(B, G * K, S), None, None, B, G * K, S, G, module.eps
+            x.detach().reshape(B, G * K, S).contiguous(), None, None, B, G * K, S, G, module.eps
         )
         return x_hat.view(B, G, K, S), rstd.view(B, G, 1, 1).to(x.dtype)
 

@@ -200,3 +200,28 @@ def test_instance_norm_updating_running_statistics_is_refused(make):
         rule.forward_rule(module, x, x, torch.ones_like(x), {})
     rule.check(module.eval())
     rule.check(make(3).train())  # no running statistics: nothing to update
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        (lambda: nn.LayerNorm(4), (1, 4, 3, 3), (0, 2, 3, 1)),
+        (lambda: nn.LayerNorm(4, bias=False), (1, 4, 3, 2, 2), (0, 2, 3, 4, 1)),
+        (lambda: nn.GroupNorm(2, 4), (1, 3, 3, 4), (0, 3, 1, 2)),
+    ],
+    ids=["ln-channels-last-2d", "ln-channels-last-3d", "gn-permuted-to-channels-first"],
+)
+def test_group_stats_rules_take_a_non_contiguous_batch_of_one(case):
+    """The ConvNeXt idiom ``x.permute(0, 2, 3, 1)`` then ``LayerNorm(C)``, batch 1 (3-D volumes).
+
+    A batch of one reshapes to a view, not a copy, which torch's fused group norm refused.
+    """
+    make, shape, order = case
+    module = randomise_norm(make())
+    x = norm_input(shape).permute(order)
+    assert not x.is_contiguous()
+    rule = get_rule(module)
+    assert_rule_matches(rule, module, x)
+    torch.testing.assert_close(
+        rule.standardised(module, x), rule.standardised(module, x.contiguous()), rtol=0, atol=0
+    )
