@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
 from _common import machine, run_units
+from stats import fmt
 
 from lsn_ext import demo
 from lsn_ext.lsn import aleatoric_maps
@@ -150,7 +151,7 @@ def _run_unit(args: tuple) -> tuple[tuple, float]:
 
 def _row(config: Config, rs: list[dict]) -> list[str]:
     cells = [config.name, str(len(rs)), f"{sum(r['IoU'] < 0.05 for r in rs)}/{len(rs)}"]
-    cells += [lp.fmt([r[m] for r in rs], 2 if m != "IoU" else 3) for m in MEASURES]
+    cells += [fmt([r[m] for r in rs], 2 if m != "IoU" else 3) for m in MEASURES]
     cells.append(
         " / ".join(
             f"{lp._mean([r['regions'][k] for r in rs]):.3g}" for k in ("inside", "band", "outside")
@@ -170,7 +171,7 @@ def _paired(a: dict[int, dict], b: dict[int, dict], label: str) -> list[list[str
             count = f"{sum(x > 0 for x in d)}/{len(d)}"
             if ties := sum(x == 0 for x in d):
                 count += f" ({ties} tied)"
-            rows.append([label, m, lp.fmt(d), count])
+            rows.append([label, m, fmt(d), count])
     return rows
 
 

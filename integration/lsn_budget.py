@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lsn_paper as lp
 import uncertainty_benchmark as ub
 from _common import machine, run_units
+from stats import fmt
 
 from lsn_ext import predict
 from lsn_ext.lsn import aleatoric_maps, fit_lsn, mc_dropout_predict, predict_lsn
@@ -224,10 +225,10 @@ def write_report(
                     f"{cap}",
                     model,
                     f"{len(rs)}",
-                    lp.fmt(iou_v),
+                    fmt(iou_v),
                     f"{sum(v < 0.05 for v in iou_v)}",
-                    lp.fmt(box_v),
-                    lp.fmt(sh_v),
+                    fmt(box_v),
+                    fmt(sh_v),
                     prior,
                 ]
             )
@@ -248,7 +249,7 @@ def write_report(
                     "–",
                     "–",
                     "–",
-                    lp.fmt([_shift_mean(r[name]) for r in rs]),
+                    fmt([_shift_mean(r[name]) for r in rs]),
                     "–",
                 ]
             )
@@ -262,7 +263,7 @@ def write_report(
                 "–",
                 "–",
                 "–",
-                lp.fmt(ratio, 2),
+                fmt(ratio, 2),
             ]
         )
         for s, r in per:
@@ -278,7 +279,7 @@ def write_report(
                 for r in rs:
                     a, b_ = r["models"][f"LSN ({c})"][key], r["models"]["LSN (ce)"][key]
                     d.append(_shift_mean(a) - _shift_mean(b_) if key == "shift" else a - b_)
-                cells.append(f"{lp.fmt(d)} ({sum(x > 0 for x in d)}/{len(d)} above)")
+                cells.append(f"{fmt(d)} ({sum(x > 0 for x in d)}/{len(d)} above)")
             paired.append(cells)
         cells = [f"{cap}", "LSN (ce) − U-Net + Dropout"]
         for key in ("box_ratio", "shift", "iou"):
@@ -286,7 +287,7 @@ def write_report(
             for r in rs:
                 a, b_ = r["models"]["LSN (ce)"][key], r["models"]["U-Net + Dropout"][key]
                 d.append(_shift_mean(a) - _shift_mean(b_) if key == "shift" else a - b_)
-            cells.append(f"{lp.fmt(d)} ({sum(x > 0 for x in d)}/{len(d)} above)")
+            cells.append(f"{fmt(d)} ({sum(x > 0 for x in d)}/{len(d)} above)")
         paired.append(cells)
     steps = []
     for cap in caps:

@@ -71,6 +71,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import machine
+from stats import fmt, mean_ci
 
 from lsn_ext import BCEWithLogits, DiagBackprop, gridsearch_prior_precision, predict
 from lsn_ext.data import (
@@ -128,7 +129,6 @@ PAPER_TABLE2 = {
     "LSN (diag)": (1.23, 1.33, 0.24, 0.23),
     "LSN": (1.64, 1.29, 0.29, 0.26),
 }
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
 SHIFTS = {  # name: (strengths, what a strength means)
     "blur": ((0.75, 1.5, 3.0), "Gaussian blur, σ in pixels"),
     "contrast": ((0.6, 0.35, 0.1), "contrast kept around each image's mean"),
@@ -918,19 +918,6 @@ def plan(
 # Report
 
 
-def ci(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95 % t-interval (0 for one value)."""
-    v = torch.tensor(values, dtype=torch.float64)
-    if len(v) < 2:
-        return v.mean().item(), 0.0
-    return v.mean().item(), T_975.get(len(v) - 1, 1.96) * v.std().item() / math.sqrt(len(v))
-
-
-def fmt(values: list[float], digits: int = 3) -> str:
-    m, h = ci(values)
-    return f"{m:.{digits}f} ± {h:.{digits}f}"
-
-
 def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
@@ -1214,9 +1201,11 @@ def _plot_fig7(res: dict, seeds: list[int], path: Path) -> None:
     fig, axes = plt.subplots(1, len(SHIFTS), figsize=(3.2 * len(SHIFTS), 3.0), sharey=True)
     for ax, (kind, (strengths, meaning)) in zip(axes, SHIFTS.items(), strict=True):
         for name in MODELS:
-            stats = [ci([res[s][name][f"{kind}:{st}"]["auroc"] for s in seeds]) for st in strengths]
+            cis = [
+                mean_ci([res[s][name][f"{kind}:{st}"]["auroc"] for s in seeds]) for st in strengths
+            ]
             xs = list(range(1, len(strengths) + 1))
-            ax.errorbar(xs, [m for m, _ in stats], [h for _, h in stats], label=name, capsize=2)
+            ax.errorbar(xs, [c.mean for c in cis], [c.half for c in cis], label=name, capsize=2)
         ax.set_xticks(list(range(1, len(strengths) + 1)), [str(s) for s in strengths])
         ax.set_title(f"{kind}", fontsize=9)
         ax.set_xlabel(meaning, fontsize=7)

@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
 from _common import machine, run_units
+from stats import fmt, mean_ci
 
 from lsn_ext import demo, gridsearch_prior_precision, predict
 from lsn_ext.lsn import fit_lsn
@@ -315,14 +316,14 @@ def _decision(results: list[dict]) -> tuple[str, list[str]]:
             measure(r["values"][rule], "IoU") - measure(r["values"][DEFAULT], "IoU")
             for r in results
         ]
-        (ma, ha), (mi, hi) = lp.ci(d_auc), lp.ci(d_iou)
-        better = ma - ha > 0 and mi + hi >= 0
+        auc, iou_ = mean_ci(d_auc), mean_ci(d_iou)
+        better = auc.mean - auc.half > 0 and iou_.mean + iou_.half >= 0
         lines.append(
-            f"- {rule}: Δ H&E entropy AUROC {ma:+.3f} ± {ha:.3f}, Δ IoU {mi:+.3f} ± {hi:.3f}"
+            f"- {rule}: Δ H&E entropy AUROC {auc.fmt(sign=True)}, Δ IoU {iou_.fmt(sign=True)}"
             f" → {'better' if better else 'not better'}"
         )
         if better:
-            winners.append((ma, rule))
+            winners.append((auc.mean, rule))
     return (max(winners)[1] if winners else DEFAULT), lines
 
 
@@ -353,14 +354,14 @@ def write_report(
         for m in MEASURES:
             vals = [measure(r["values"][rule], m) for r in results]
             lo, hi = bootstrap(results, rule, m, n_boot)
-            cells.append(f"{lp.fmt(vals)} [{lo:.3f}, {hi:.3f}]")
+            cells.append(f"{fmt(vals)} [{lo:.3f}, {hi:.3f}]")
         rows.append(cells)
     paired = []
     for rule in RULES[1:]:
         cells = [rule]
         for m in MEASURES:
             d = [measure(r["values"][rule], m) - measure(r["values"][DEFAULT], m) for r in results]
-            cells.append(f"{lp.fmt(d)} ({sum(x > 0 for x in d)}/{len(d)} above)")
+            cells.append(f"{fmt(d)} ({sum(x > 0 for x in d)}/{len(d)} above)")
         paired.append(cells)
     curve = []
     wants = []

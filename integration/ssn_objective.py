@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import lsn_paper as lp
 import uncertainty_benchmark as ub
 from _common import machine, run_units
+from stats import fmt
 
 from lsn_ext.lsn import aleatoric_maps
 from lsn_ext.metrics import auroc, average_precision, boundary_band, box_ratio
@@ -285,7 +286,7 @@ def _collected(cache: ub.ConvergedCache, grid: list[Config], seeds: list[int]) -
 
 def _cell(vals: dict, boot: dict, metric: str, digits: int = 3) -> str:
     lo, hi = boot[metric]
-    return f"{lp.fmt(vals[metric], digits)} [{lo:.{digits}f}, {hi:.{digits}f}]"
+    return f"{fmt(vals[metric], digits)} [{lo:.{digits}f}, {hi:.{digits}f}]"
 
 
 def write_report(
@@ -325,10 +326,10 @@ def write_report(
                 regions,
                 f"{sd:.2f} / {mu:.2f}",
                 _cell(vals, boot, "shift AUROC (entropy)"),
-                lp.fmt(vals["shift AUROC (fg entropy)"]),
-                lp.fmt(vals["shift AUROC (MAP entropy)"]),
-                lp.fmt([r["box_ap"] for r in rs]),
-                lp.fmt([sum(r["box_ratio"]) / len(r["box_ratio"]) for r in rs]),
+                fmt(vals["shift AUROC (fg entropy)"]),
+                fmt(vals["shift AUROC (MAP entropy)"]),
+                fmt([r["box_ap"] for r in rs]),
+                fmt([sum(r["box_ratio"]) / len(r["box_ratio"]) for r in rs]),
                 f"{lp._mean(steps):.0f} ({capped} capped)",
             ]
         )
@@ -384,7 +385,7 @@ def write_report(
         for m in ("IoU", "boundary ratio", "shift AUROC (entropy)"):
             fn = METRICS[m][0]
             d = [fn(r, None) - fn(p, None) for r, p in pairs]
-            line.append(f"{lp.fmt(d)} ({sum(x > 0 for x in d)}/{len(d)} above)")
+            line.append(f"{fmt(d)} ({sum(x > 0 for x in d)}/{len(d)} above)")
         paired.append(line)
     stats = [lp._mean([_shift_mean(r, "stats") for _, r in res[c]]) for c in grid if res[c]]
     out.mkdir(parents=True, exist_ok=True)

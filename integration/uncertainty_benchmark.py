@@ -50,6 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
 from _common import machine
+from stats import fmt, percentile_bootstrap
+from stats import paired as stats_paired
 
 from lsn_ext import gridsearch_prior_precision, predict
 from lsn_ext.data import nuclei_volume_slices
@@ -644,22 +646,9 @@ def _boot_pixel_metric(metric: str, s: dict, idx: Tensor) -> Tensor:
 
 
 def bootstrap(per_seed: list[tuple[int, object]], b: ConvergedBudget, seed: int = 0):
-    """Percentile 95 % interval of a metric's mean over seeds under resampled test images.
-
-    ``per_seed[i] = (n_i, fn_i)``: ``fn_i(idx) -> [R]`` evaluates seed ``i``'s metric on its
-    ``n_i`` test images resampled by ``idx [R, n_i]`` (with replacement, independently per
-    seed); the interval is the 2.5 and 97.5 percentiles of the ``R`` seed-averaged values
-    (resamples where the metric is undefined, e.g. without an error pixel, are left out).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    total = torch.zeros(b.n_bootstrap, dtype=torch.float64)
-    for n, fn in per_seed:
-        total += fn(torch.randint(0, n, (b.n_bootstrap, n), generator=gen)).double()
-    total = total[torch.isfinite(total)] / len(per_seed)
-    if len(total) == 0:
-        return None
-    q = torch.quantile(total, torch.tensor([0.025, 0.975], dtype=torch.float64))
-    return q[0].item(), q[1].item()
+    """Percentile 95 % interval of a metric's mean over seeds under resampled test images
+    (:func:`stats.percentile_bootstrap` with ``b.n_bootstrap`` resamples)."""
+    return percentile_bootstrap(per_seed, b.n_bootstrap, seed)
 
 
 def _shift_boot(clean: list[float], shifted: list[float]) -> tuple[int, object]:
@@ -762,7 +751,7 @@ class Report:
         v = self.values(d, method, metric, kind)
         if not v:
             return "n/a"
-        text = lp.fmt(v)
+        text = fmt(v)
         if len(v) < len(self.seeds):
             text += f" ({len(v)}/{len(self.seeds)} seeds)"
         bi = self.boot(d, method, metric, kind)
@@ -773,12 +762,11 @@ class Report:
             return "—"
         a = [_value(self.res[d, s]["methods"][method], metric) for s in self.seeds]
         r = [_value(self.res[d, s]["methods"][ref], metric) for s in self.seeds]
-        diff = [x - y for x, y in zip(a, r, strict=True) if x is not None and y is not None]
-        if not diff:
+        both = [(x, y) for x, y in zip(a, r, strict=True) if x is not None and y is not None]
+        if not both:
             return "n/a"
-        m, h = lp.ci(diff)
-        better = sum((x > 0) == HIGHER_IS_BETTER[metric] and x != 0 for x in diff)
-        return f"{m:+.3f} ± {h:.3f} ({better}/{len(diff)})"
+        p = stats_paired([x for x, _ in both], [y for _, y in both], HIGHER_IS_BETTER[metric])
+        return f"{p.diff.fmt(sign=True)} ({p.better}/{p.n})"
 
 
 CLEAN_PIXEL = (
@@ -819,7 +807,7 @@ def _section_images(rep: Report, d: str) -> str:
     return (
         f"### {d}\n\n"
         + lp._table(["Method"] + [h for _, h in CLEAN_IMAGE], rows)
-        + f"\n\nOracle AURC of the MAP U-Net's segmentations: {lp.fmt(oracle)} (each method "
+        + f"\n\nOracle AURC of the MAP U-Net's segmentations: {fmt(oracle)} (each method "
         "has its own, from its own Dice; E-AURC subtracts it).\n"
     )
 
@@ -833,7 +821,7 @@ def _section_shift(rep: Report, d: str) -> str:
             row += ["—", "—", "—"]
         else:
             row += [rep.cell(d, m, k) for k in ("shifted_auroc", "shifted_aurc")]
-            row += [lp.fmt([rep.res[d, s]["methods"][m]["shifted"]["dice"] for s in rep.seeds])]
+            row += [fmt([rep.res[d, s]["methods"][m]["shifted"]["dice"] for s in rep.seeds])]
         rows.append(row)
     n = rep.res[d, rep.seeds[0]]["n_images"]
     what = (

@@ -125,8 +125,14 @@ def test_shifts_change_the_images_as_documented(lsn_paper):
         lsn_paper.shift(x, "rotate", 1.0)
 
 
-def test_confidence_interval_is_the_t_interval(lsn_paper):
-    mean, half = lsn_paper.ci([1.0, 2.0, 3.0, 4.0, 5.0])
-    assert mean == pytest.approx(3.0)
-    assert half == pytest.approx(2.776 * (2.5**0.5) / 5**0.5)
-    assert lsn_paper.ci([2.0]) == (2.0, 0.0)
+@pytest.mark.parametrize("n", [5, 10, 20], ids=lambda n: f"{n}-seeds")
+def test_reported_interval_is_the_t_interval_for_any_seed_count(lsn_paper, n):
+    """The report's cells use the t quantile with n − 1 degrees of freedom; the old table
+    stopped at 8 and printed 1.96 z-intervals for 10 or more seeds."""
+    from scipy.stats import t
+
+    values = [float(k) for k in range(n)]
+    sd = torch.tensor(values, dtype=torch.float64).std().item()
+    half = t.ppf(0.975, n - 1) * sd / math.sqrt(n)
+    assert lsn_paper.fmt(values) == f"{(n - 1) / 2:.3f} ± {half:.3f}"
+    assert lsn_paper.fmt([2.0]) == "2.000 (1 seed)"
