@@ -25,12 +25,18 @@ Operations without forward-mode AD support fall back, with a warning that names 
 the double-backward trick ``J δ = ∂/∂u (Jᵀ u) · δ`` (one backward pass through the retained
 backward graph per sample: the memory of a training step, the same result).
 
+Attention runs through its math kernel for the tangents (:func:`_differentiable_attention`):
+``nn.MultiheadAttention``'s fused fast path has no forward-mode AD, and the fused
+``scaled_dot_product_attention`` kernels (flash attention on the CPU) no double backward. The
+logits ``f(x; θ*)`` themselves come from the model's default kernels.
+
 Shape legend: ``N`` batch, ``C`` output channels, ``*`` spatial dimensions, ``P`` the number of
 parameters with ``requires_grad``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import warnings
@@ -70,6 +76,26 @@ def sample_chunks(
         k = min(chunk, n - done)
         yield sample(k, generator=generator)
         done += k
+
+
+@contextlib.contextmanager
+def _differentiable_attention() -> Iterator[None]:
+    """Attention by its math kernel, which forward-mode AD and double backward both run through.
+
+    Turns off ``nn.MultiheadAttention``'s (and ``nn.TransformerEncoderLayer``'s) fused fast path,
+    which gradient-free calls take and which has no forward-mode AD, and restricts
+    ``F.scaled_dot_product_attention`` to its math backend (the fused kernels' backward is not
+    differentiable). Both settings are restored on exit. Same function, other round-off.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
 
 
 def _forward_ad_unsupported(error: Exception) -> bool:
@@ -125,7 +151,8 @@ def linearized_tangents(
         first = True
         for delta in deltas:
             try:
-                _, tangent = torch.func.jvp(f, primals, split(delta))
+                with _differentiable_attention():
+                    _, tangent = torch.func.jvp(f, primals, split(delta))
             except (NotImplementedError, RuntimeError) as error:
                 if not (first and _forward_ad_unsupported(error)):
                     raise
@@ -144,7 +171,8 @@ def linearized_tangents(
     def double_backward(first_delta: Tensor) -> Iterator[Tensor]:
         with torch.enable_grad():
             leaves = [p.detach().requires_grad_(True) for p in primals]
-            out = f(*leaves)
+            with _differentiable_attention():
+                out = f(*leaves)
             u = torch.zeros_like(out, requires_grad=True)
             vjp = torch.autograd.grad(out, leaves, u, create_graph=True, allow_unused=True)
             used = [(g, i) for i, g in enumerate(vjp) if g is not None]

@@ -409,3 +409,58 @@ def test_grid_search_scores_an_overflowing_candidate_as_infinite():
     assert result.scores[0] == math.inf
     assert math.isfinite(result.scores[1])
     assert result.prior_precision == 1.0
+
+
+class _Attention(nn.Module):
+    """Self-attention over the pixels (``nn.MultiheadAttention``), optionally then ``_Doubling``."""
+
+    def __init__(self, forward_ad: bool = True):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 1)
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Conv2d(4, 3, 1)
+        self.forward_ad = forward_ad
+
+    def forward(self, x):
+        h = self.conv(x)
+        tokens = h.flatten(2).transpose(1, 2)  # [N, H·W, C]
+        tokens = self.attention(tokens, tokens, tokens, need_weights=False)[0]
+        h = tokens.transpose(1, 2).reshape(h.shape)
+        return self.head(h if self.forward_ad else _Doubling.apply(h))
+
+
+@pytest.mark.parametrize("forward_ad", [True, False], ids=["jvp", "double-backward"])
+def test_glm_runs_through_multihead_attention(forward_ad):
+    """MHA's fast path has no forward-mode AD and CPU flash attention no double backward.
+
+    Both used to fail (the second with ``derivative for
+    aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented``); the
+    tangents now run attention through its math kernel.
+    """
+    net = _Attention(forward_ad).eval()
+    x = torch.randn(2, 2, 3, 3)
+    post = VariationalPosterior(net, "ce", init_std=0.1)
+    snap = snapshot(net)
+    g = torch.Generator().manual_seed(1)
+    if forward_ad:
+        pred = predict(post, x, 6, pred_type="glm", generator=g)
+    else:
+        with pytest.warns(RuntimeWarning, match="without forward-mode AD.*double backward"):
+            pred = predict(post, x, 6, pred_type="glm", generator=g)
+    assert_unchanged(net, snap)
+    mean = post.mean
+    names = [n for n, _ in net.named_parameters()]
+    shapes = [p.shape for p in net.parameters()]
+
+    def f(theta):  # reverse mode, first order: any kernel and any Function serve
+        pieces = theta.split([s.numel() for s in shapes])
+        named = {n: t.view(s) for n, t, s in zip(names, pieces, shapes, strict=True)}
+        return torch.func.functional_call(net, named, (x,))
+
+    J = torch.autograd.functional.jacobian(f, mean).reshape(-1, mean.numel())
+    f_map = f(mean).detach()
+    deltas = post.sample(3, generator=torch.Generator().manual_seed(1)) - mean
+    samples = torch.stack([f_map + s * (J @ d).view_as(f_map) for d in deltas for s in (1, -1)])
+    torch.testing.assert_close(pred.logit_mean, f_map, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(pred.mean, torch.softmax(samples, 2).mean(0))
+    torch.testing.assert_close(pred.logit_variance, (deltas @ J.T).square().mean(0).view_as(f_map))
