@@ -806,7 +806,20 @@ class _Session(TorchFunctionMode):
         params: Sequence[Tensor] = (),
         flags: _Flags | None = None,
     ) -> Tensor:
-        """Run ``run(x)`` as one DB node with ``rule``."""
+        """Run ``run(x)`` as one DB node with ``rule``.
+
+        Raises:
+            NotImplementedError: Inside non-reentrant ``torch.utils.checkpoint`` (backward
+                passes only), naming the module.
+        """
+        if not self.forward_mode and _in_non_reentrant_checkpoint():
+            raise NotImplementedError(
+                f"{self.describe(module)} runs inside torch.utils.checkpoint "
+                "(use_reentrant=False), whose recomputation in the backward pass replaces the "
+                "tensors diagonal backprop saves for its rules. Switch checkpointing off for the "
+                "curvature, or use the Monte-Carlo estimator (estimator='mc'), which supports "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
         call = _Call(
             self.forward_mode,
             self.blocks,
@@ -965,6 +978,17 @@ def _parametrized_message(where: str, module: nn.Module) -> str:
         f"remove_parametrizations(module, {names.split(', ')[0]!r}) keeps the function), or "
         "use the Monte-Carlo estimator (estimator='mc')"
     )
+
+
+def _in_non_reentrant_checkpoint() -> bool:
+    """Whether a non-reentrant ``torch.utils.checkpoint`` region packs the saved tensors now.
+
+    Such a region saves nothing in forward and recomputes it in backward by the plain modules,
+    without DB's rules: DB's saved tensors would be replaced by others (torch refuses those whose
+    shapes differ, with a ``CheckpointError``; equal shapes would pass).
+    """
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
 
 
 def _is_foreign_function(node: Any) -> bool:

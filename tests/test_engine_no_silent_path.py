@@ -134,6 +134,11 @@ REFUSED = {
         lambda: _Checkpointed(True),
         r"torch.utils.checkpoint \(reentrant\).*use_reentrant=False",
     ),
+    "non-reentrant-checkpoint": (
+        lambda: _Checkpointed(False),
+        r"'body.0' \(Conv2d\) runs inside torch.utils.checkpoint \(use_reentrant=False\).*"
+        r"Switch checkpointing off for the curvature.*estimator='mc'",
+    ),
 }
 
 
