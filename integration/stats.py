@@ -94,10 +94,10 @@ def mean_ci(values: Sequence[float], level: float = 0.95) -> Interval:
     """
     v = _floats(values, "mean_ci")
     n = len(v)
-    mean = sum(v) / n
+    mean = math.fsum(v) / n  # the correctly rounded sum: the printed digits do not depend on order
     if n == 1 or max(v) == min(v):
         return Interval(mean, 0.0, n, constant=n > 1)
-    sd = math.sqrt(sum((x - mean) ** 2 for x in v) / (n - 1))
+    sd = math.sqrt(math.fsum((x - mean) ** 2 for x in v) / (n - 1))
     return Interval(mean, t_quantile(n, level) * sd / math.sqrt(n), n, constant=False)
 
 
