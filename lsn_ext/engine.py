@@ -721,6 +721,8 @@ class _Session(TorchFunctionMode):
             seen.add(id(node))
             if _is_foreign_function(node):
                 cls = node._forward_cls
+                if cls.__module__.startswith("torch._functorch._aot_autograd"):
+                    raise NotImplementedError(self._compiled_message())
                 module = self._function_module(cls, args)
                 where = "the model's forward" if module is None else self.describe(module)
                 if cls.__name__ == "CheckpointFunction":
@@ -740,6 +742,27 @@ class _Session(TorchFunctionMode):
                     "Monte-Carlo estimator (estimator='mc'), which needs no rules"
                 )
             nodes.extend(n for n, _ in node.next_functions)
+
+    def _compiled_message(self) -> str:
+        """The refusal of a ``torch.compile`` graph, naming the compiled modules (error path)."""
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        compiled = [
+            "the model" if not name else f"{name!r}"
+            for name, m in self.model.named_modules()
+            if isinstance(m, OptimizedModule)
+        ]
+        where = (
+            f"{', '.join(compiled)} (compiled by torch.compile)"
+            if compiled
+            else "a function compiled by torch.compile in the model's forward"
+        )
+        return (
+            f"{where} runs as one torch.autograd.Function, whose operations diagonal backprop "
+            "cannot see. Pass the uncompiled module for the curvature (torch.compile(module) "
+            "keeps it as ._orig_mod, with the same parameters, e.g. model._orig_mod), or use "
+            "the Monte-Carlo estimator (estimator='mc')"
+        )
 
     def _function_module(self, cls: type, args: tuple) -> nn.Module | None:
         """The innermost module whose output a ``cls`` Function made (error path only).
@@ -983,10 +1006,13 @@ def _parametrized_message(where: str, module: nn.Module) -> str:
 def _in_non_reentrant_checkpoint() -> bool:
     """Whether a non-reentrant ``torch.utils.checkpoint`` region packs the saved tensors now.
 
-    Such a region saves nothing in forward and recomputes it in backward by the plain modules,
-    without DB's rules: DB's saved tensors would be replaced by others (torch refuses those whose
-    shapes differ, with a ``CheckpointError``; equal shapes would pass).
+    Such a region drops the tensors saved in forward and recomputes them in backward by the
+    plain modules, without DB's rules: DB's rules would get other tensors than they saved (torch
+    compares only shapes, dtypes and devices, and raises a ``CheckpointError`` where they differ).
+    Not queried while dynamo traces (it cannot trace the query).
     """
+    if torch.compiler.is_compiling():
+        return False
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
 

@@ -153,6 +153,43 @@ def test_db_refuses_what_it_cannot_propagate(case):
     assert_unchanged(net, snap)
 
 
+class _Residual(nn.Module):
+    """A residual block: the sum is an operation between modules, which torch.compile fuses."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(1, 3, 3, padding=1)
+        self.body = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Tanh())
+        self.head = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.stem(x))
+        return self.head(h + 0.5 * self.body(h))
+
+
+def _compiled_whole() -> tuple[nn.Module, str]:
+    return torch.compile(_Residual().eval(), backend="aot_eager"), r"the model \(compiled"
+
+
+def _compiled_submodule() -> tuple[nn.Module, str]:
+    block = torch.compile(_Residual(), backend="aot_eager")
+    return nn.Sequential(nn.Conv2d(1, 1, 1), block).eval(), r"'1' \(compiled"
+
+
+@pytest.mark.parametrize(
+    "make", [_compiled_whole, _compiled_submodule], ids=["whole-model", "submodule"]
+)
+def test_db_refuses_a_compiled_model_and_names_it(make):
+    """``torch.compile`` (AOT autograd, as the default inductor backend) hides the operations.
+
+    The error named only torch's internal ``_AOTDispatchAutograd…CompiledFunction``.
+    """
+    net, where = make()
+    x, y = _batch()
+    with pytest.raises(NotImplementedError, match=where + r".*torch.compile.*_orig_mod.*'mc'"):
+        lsn_ext.diag_backprop(net, x, y, "ce")
+
+
 def test_monte_carlo_through_a_function_is_unbiased():
     net = _DoublingNet().eval()
     x, y = _batch()
