@@ -844,9 +844,46 @@ def _entropy(p: Tensor, link: str) -> Tensor:
 
 
 def _trainable(la: Any) -> list[tuple[str, Tensor]]:
-    named = [(n, p) for n, p in _dist.unwrap(la.model).named_parameters() if p.requires_grad]
-    if sum(p.numel() for _, p in named) != la.n_params:
-        raise ValueError("the model's trainable parameters changed since the posterior was created")
+    """The model's parameters with ``requires_grad``, checked against those the posterior covers.
+
+    A laplace-torch posterior covers the parameters that had ``requires_grad=True`` when it was
+    created (``la.params``); one frozen or unfrozen since is named.
+
+    Raises:
+        ValueError: A parameter whose ``requires_grad`` changed since the posterior was created,
+            or (for posteriors that do not list their tensors) another number of trainable
+            entries than ``la.n_params``.
+    """
+    model = _dist.unwrap(la.model)
+    everything = list(model.named_parameters())
+    named = [(n, p) for n, p in everything if p.requires_grad]
+    covered = getattr(la, "params", None)
+    if isinstance(covered, list) and all(isinstance(p, Tensor) for p in covered):
+        ids = {id(p) for p in covered}
+        for n, p in everything:
+            if p.requires_grad == (id(p) in ids):
+                continue
+            if p.requires_grad:
+                raise ValueError(
+                    f"parameter {n!r} has requires_grad=True now but was frozen when the "
+                    "posterior was fitted, so the posterior has no variance for it. Freeze it "
+                    f"again for the predictive (model.get_parameter({n!r})."
+                    "requires_grad_(False)), or fit a new Laplace with it trainable"
+                )
+            raise ValueError(
+                f"parameter {n!r} has requires_grad=False now but was trainable when the "
+                "posterior was fitted, and the posterior covers it. Make it trainable again for "
+                f"the predictive (model.get_parameter({n!r}).requires_grad_(True)), or fit a new "
+                "Laplace after freezing it"
+            )
+    total = sum(p.numel() for _, p in named)
+    if total != la.n_params:
+        raise ValueError(
+            f"the model has {total} trainable parameter entries (requires_grad=True) but the "
+            f"posterior covers {la.n_params}: a parameter was frozen or unfrozen since the "
+            "posterior was created. Restore requires_grad as it was then, or build a new "
+            "posterior"
+        )
     return named
 
 

@@ -408,6 +408,33 @@ def test_glue_refuses_regression_and_unknown_variance():
         bridge_predictive(reg, torch.randn(3, 2))
 
 
+@pytest.mark.parametrize("call", ["linearized", "mc", "predict"])
+@pytest.mark.parametrize("change", ["frozen", "unfrozen"])
+def test_a_parameter_frozen_or_unfrozen_after_the_fit_is_named(change, call):
+    """The error spoke of a flat ``param_variance`` length, which the caller never passed."""
+    la, x = segmentation_la()
+    bias = la.model[0].bias
+    if change == "unfrozen":  # fitted without the bias, which is trainable again
+        bias.requires_grad_(False)
+        la = Laplace(
+            la.model,
+            "classification",
+            subset_of_weights="all",
+            hessian_structure="diag",
+            backend=lsn_ext.DiagBackprop,
+        )
+        la.fit(DataLoader(TensorDataset(x, torch.randint(0, 3, (4, 6, 6))), batch_size=2))
+    bias.requires_grad_(change == "unfrozen")
+    what = "requires_grad=False" if change == "frozen" else "requires_grad=True"
+    match = rf"parameter '0.bias' has {what} now.*when the posterior was fitted.*requires_grad"
+    if call == "predict":
+        run = lambda: lsn_ext.predict(la, x, 4)  # noqa: E731
+    else:
+        run = lambda: bridge_predictive(la, x, variance=call, n_samples=4)  # noqa: E731
+    with pytest.raises(ValueError, match=match):
+        run()
+
+
 @pytest.mark.parametrize("scale", [3.0, 30.0, 300.0], ids=["moderate", "near-limit", "extreme"])
 def test_float32_inputs_match_float64_to_float32_accuracy(scale):
     g = torch.Generator().manual_seed(0)
