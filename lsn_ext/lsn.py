@@ -386,11 +386,27 @@ def ensemble_predict(models: Iterable[nn.Module], x: Tensor) -> SegmentationPred
 
     The members' modes are restored afterwards.
 
+    A single member is refused, not answered with zero variance: the epistemic maps of an
+    ensemble are the spread between its members, which one network does not have.
+
     Raises:
         TypeError: If a member is not an ``nn.Module``.
-        ValueError: For fewer than two members or an empty or non-finite ``x``.
+        ValueError: For fewer than two members (naming the count) or an empty or non-finite
+            ``x``.
     """
     models = list(models)
+    if len(models) < 2:
+        n = len(models)
+        one = (
+            ": one network has no spread between members, so its variance and mutual "
+            "information are undefined. Train more members, or for one network's epistemic "
+            "uncertainty fit a Laplace approximation (lsn_ext.predict) or use "
+            "lsn_ext.lsn.mc_dropout_predict"
+        )
+        raise ValueError(
+            "ensemble_predict needs at least 2 members to measure the spread between them; "
+            f"got {n} member{'' if n == 1 else 's'}{one if n == 1 else ''}"
+        )
     for i, m in enumerate(models):
         if not isinstance(m, nn.Module):
             raise TypeError(f"ensemble member {i} is a {type(m).__name__}, not an nn.Module")

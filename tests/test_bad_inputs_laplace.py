@@ -977,7 +977,11 @@ CASES: dict[str, Case] = {
     ),
     "ensemble-one-member": Case(
         _plain(_net, lambda net: ensemble_predict([net], _x())),
-        **_raises(ValueError, "at least 2"),
+        **_raises(ValueError, r"at least 2 members.*got 1 member\b.*no spread.*lsn_ext.predict"),
+    ),
+    "ensemble-no-members": Case(
+        _plain(_net, lambda net: ensemble_predict(iter([]), _x())),
+        **_raises(ValueError, "at least 2 members to measure the spread between them; got 0"),
     ),
     "ensemble-non-module-member": Case(
         _plain(_net, lambda net: ensemble_predict([net, "net"], _x())),
