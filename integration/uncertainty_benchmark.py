@@ -54,7 +54,7 @@ from stats import fmt, percentile_bootstrap
 from stats import paired as stats_paired
 
 from lsn_ext import gridsearch_prior_precision, predict
-from lsn_ext.data import nuclei_volume_slices
+from lsn_ext.data import load_nuclei_3d, nuclei_patches, nuclei_volume_slices
 from lsn_ext.lsn import ensemble_predict, mc_dropout_predict, predict_lsn
 from lsn_ext.metrics import (
     aurc,
@@ -79,6 +79,7 @@ METHODS = (
     "MC dropout",
     ENSEMBLE,
     "U-Net + LA (nn)",
+    "U-Net + LA (nn, marglik)",
     "U-Net + LA (glm)",
     "U-Net + LA (glm, marglik)",
     "LSN (nn)",
@@ -92,6 +93,7 @@ METHODS = (
 # marginal likelihood, one scalar (independent of the predictive).
 LAPLACE = {
     "U-Net + LA (nn)": ("U-Net + LA", "nn", "grid"),
+    "U-Net + LA (nn, marglik)": ("U-Net + LA", "nn", "marglik"),
     "U-Net + LA (glm)": ("U-Net + LA", "glm", "grid"),
     "U-Net + LA (glm, marglik)": ("U-Net + LA", "glm", "marglik"),
     "LSN (nn)": ("LSN", "nn", "grid"),
@@ -106,6 +108,10 @@ POSTERIOR_NETS = {"U-Net + LA": "unet0", "LSN": "ssn", "LSN (diag)": "ssn_diag"}
 # calibration comparison fair (the weighting shifts every method's probabilities alike).
 FACTORS = {"lesions": 4, "nuclei": 1}
 IMAGE_STATS = "image statistics"
+# The same score on the nuclei volume kept on the 2-D training image's intensity scale (the
+# volume the models see is standardised by its own statistics, which removes a global intensity
+# shift by construction; the lesions' corruptions are applied on the one fixed input scale).
+IMAGE_STATS_RAW = "image statistics (training intensity scale)"
 NETS = ("unet0", "unet1", "unet2", "unet3", "unet4", "unet_do", "ssn", "ssn_diag")
 ECE_BINS = 15
 
@@ -187,6 +193,28 @@ def load(name: str, b: ConvergedBudget) -> tuple[lp.Data, int]:
         n_volume = len(nuclei_volume_slices(64, dtype=torch.float32)[0])
         return data, len(data.test_x) - n_volume
     return data, len(data.test_x)
+
+
+def volume_on_training_scale(volume_x: Tensor) -> Tensor:
+    """The nuclei volume's slices as the models see them (standardised by the volume's own
+    mean and sd, :func:`lsn_ext.data.nuclei_volume_slices`) brought back to the raw intensities
+    and standardised by the 2-D training band's statistics instead, ``[31, 1, 64, 64]``. The
+    reflect padding commutes with the affine maps, so this is exact."""
+    volume, _ = load_nuclei_3d()
+    raw = volume_x.double() * volume.std() + volume.mean()
+    return nuclei_patches(64, 32, dtype=torch.float64).normalise(raw).to(volume_x.dtype)
+
+
+def spread(p: Pred, p_map: Pred) -> dict[str, float]:
+    """A posterior predictive against the MAP's on the same images: the ratio of their mean
+    entropies, the mean ``|E p − p_MAP|`` and the mean posterior sd of ``p``."""
+    out = {
+        "entropy_ratio": (p.entropy.double().mean() / p_map.entropy.double().mean()).item(),
+        "mean_abs_dp": (p.mean.double() - p_map.mean.double()).abs().mean().item(),
+    }
+    if p.variance is not None:
+        out["mean_sd_p"] = p.variance.double().clamp_min(0).sqrt().mean().item()
+    return out
 
 
 def specs(b: ConvergedBudget) -> dict[str, lp.NetSpec]:
@@ -488,6 +516,8 @@ def unit(cache: ConvergedCache, dataset: str, seed: int) -> dict:
             r: dict = {"sets": {}}
             sums[method] = {}
             preds = {"clean": fn(x_id)} | {k: fn(x) for k, (x, _) in shifted.items()}
+            if method == "MAP entropy":
+                map_clean = preds["clean"]
             truth = {"clean": y_id} | {k: y for k, (_, y) in shifted.items()}
             edges = histogram_edges([p.mean for p in preds.values()], b)
             for k, p in preds.items():
@@ -508,6 +538,8 @@ def unit(cache: ConvergedCache, dataset: str, seed: int) -> dict:
             r["shift_auroc_fg"] = {
                 k: auroc(clean_fg, torch.tensor(r["sets"][k]["u_fg"])) for k in shifted
             }
+            if method in LAPLACE:
+                r["spread"] = spread(preds["clean"], map_clean)
             if method != "MAP entropy":
                 var = _epistemic_variance(method, posteriors, fn, x_box, b, seed)
                 r["box_ratio"] = box_ratio(var, box).mean().item()
@@ -521,6 +553,17 @@ def unit(cache: ConvergedCache, dataset: str, seed: int) -> dict:
             "scores": scores,
             "shift_auroc": {k: auroc(clean_s, torch.tensor(scores[k])) for k in shifted},
         }
+        if dataset == "nuclei":  # direction fixed in advance: larger distance = shifted
+            raw = image_statistics(
+                data.train_x,
+                {"clean": x_id, "volume": volume_on_training_scale(shifted["volume"][0])},
+            )
+            res[IMAGE_STATS_RAW] = {
+                "scores": raw,
+                "shift_auroc": {
+                    "volume": auroc(torch.tensor(raw["clean"]), torch.tensor(raw["volume"]))
+                },
+            }
         cache.save(sums, cache.path("unc-sums", dataset, f"s{seed}"))
         return {
             "methods": res,
@@ -538,7 +581,8 @@ def unit(cache: ConvergedCache, dataset: str, seed: int) -> dict:
 def tune_priors(la: object, info: dict, data: lp.Data, b: ConvergedBudget, seed: int) -> dict:
     """The prior precisions of the Laplace methods: the validation-NLL grid of the ``nn``
     predictive (``info``, from :func:`lsn_paper.fit_posterior`), the same grid scored with the
-    ``glm`` predictive, and laplace-torch's scalar marginal likelihood."""
+    ``glm`` predictive, and laplace-torch's scalar marginal likelihood (one value, used with
+    either predictive: ``nn-marglik`` and ``glm-marglik``)."""
     grid = [10.0**k for k in b.prior_exponents]
     search = gridsearch_prior_precision(
         la, lp._loader(data.val_x, data.val_y), grid=grid, n_samples=b.n_val_samples,
@@ -555,6 +599,7 @@ def tune_priors(la: object, info: dict, data: lp.Data, b: ConvergedBudget, seed:
         "nn-grid": info["prior_precision"],
         "glm-grid": search.prior_precision,
         "glm-marglik": marglik,
+        "nn-marglik": marglik,
         "glm_at_edge": best in (0, len(grid) - 1),
     }
 
@@ -711,7 +756,7 @@ class Report:
                 if kind is None:
                     return None
                 key = "u_fg" if metric.endswith("_fg") else "u_mean"
-                if method == IMAGE_STATS:
+                if method in (IMAGE_STATS, IMAGE_STATS_RAW):
                     clean, shifted = r["scores"]["clean"], r["scores"][kind]
                 else:
                     clean, shifted = r["sets"]["clean"][key], r["sets"][kind][key]
@@ -778,17 +823,19 @@ CLEAN_PIXEL = (
     ("dice", "Dice"),
 )
 CLEAN_IMAGE = (
-    ("aurc", "AURC"),
-    ("e_aurc", "E-AURC"),
-    ("spearman", "Spearman (u, Dice)"),
-    ("aurc_fg", "AURC, fg-adjusted"),
-    ("spearman_fg", "Spearman, fg-adjusted"),
+    ("aurc_fg", "AURC, fg score"),
+    ("e_aurc_fg", "E-AURC, fg score"),
+    ("spearman_fg", "Spearman (fg score, Dice)"),
+    ("aurc", "AURC, whole-image score (not to use)"),
+    ("spearman", "Spearman (whole-image score, Dice)"),
 )
 PAIRED = (
     ("auroc", "pixel AUROC"),
-    ("aurc", "AURC"),
-    ("e_aurc", "E-AURC"),
-    ("shift_auroc", "shift AUROC (mean over shifts)"),
+    ("aurc_fg", "AURC, fg score"),
+    ("e_aurc_fg", "E-AURC, fg score"),
+    ("aurc", "AURC, whole-image score (not to use)"),
+    ("shift_auroc_fg", "shift AUROC, fg score (mean over shifts)"),
+    ("shift_auroc", "shift AUROC, whole-image score (mean over shifts)"),
     ("shifted_auroc", "pixel AUROC, shifted"),
     ("shifted_aurc", "AURC, shifted"),
 )
@@ -815,9 +862,11 @@ def _section_images(rep: Report, d: str) -> str:
 def _section_shift(rep: Report, d: str) -> str:
     kinds = rep.res[d, rep.seeds[0]]["shift_kinds"]
     rows = []
-    for m in (*METHODS, IMAGE_STATS):
+    present = rep.res[d, rep.seeds[0]]["methods"]
+    stats_rows = [m for m in (IMAGE_STATS, IMAGE_STATS_RAW) if m in present]
+    for m in (*METHODS, *stats_rows):
         row = [m] + [rep.cell(d, m, "shift_auroc", k) for k in kinds]
-        if m == IMAGE_STATS:
+        if m in (IMAGE_STATS, IMAGE_STATS_RAW):
             row += ["—", "—", "—"]
         else:
             row += [rep.cell(d, m, k) for k in ("shifted_auroc", "shifted_aurc")]
@@ -826,12 +875,16 @@ def _section_shift(rep: Report, d: str) -> str:
     n = rep.res[d, rep.seeds[0]]["n_images"]
     what = (
         f"{n['clean']} clean test images against each corruption of the first "
-        f"{n[kinds[0]]} at its middle strength ("
+        f"{n[kinds[0]]} at its middle strength, synthetic corruptions of the synthetic images "
+        "on the standardised input scale ("
         + "; ".join(f"{k} {st[len(st) // 2]}: {mean}" for k, (st, mean) in lp.SHIFTS.items())
         + ")"
         if d == "lesions"
-        else f"the {n['clean']} 2-D test patches against the {n['volume']} slices of the "
-        "synthetic 3-D volume (a real domain shift)"
+        else f"the {n['clean']} 2-D test patches against the {n['volume']} slices of stardist's "
+        "synthetic 3-D nuclei volume, standardised by the volume's own statistics (which "
+        "removes a global intensity shift by construction); "
+        f"{IMAGE_STATS_RAW}: the same score with the slices on the 2-D training image's "
+        "intensity scale"
     )
     return (
         f"### {d}\n\n"
@@ -841,8 +894,9 @@ def _section_shift(rep: Report, d: str) -> str:
             + ["pixel AUROC on shifted", "AURC on shifted", "Dice on shifted"],
             rows,
         )
-        + f"\n\nShift AUROC: {what}; score = mean pixel entropy of the image (image statistics: "
-        "see above). Pixel AUROC and AURC on shifted: the failure-detection measures on all "
+        + f"\n\nShift AUROC: {what}; score = mean pixel entropy of the whole image (image "
+        "statistics: see above; larger distance = shifted, fixed before any test label). "
+        "Pixel AUROC and AURC on shifted: the failure-detection measures on all "
         "shifted images pooled.\n"
     )
 
@@ -873,6 +927,20 @@ def _section_box(rep: Report) -> str:
         + ", ".join(f"{a:.3f} ({d})" for a, d in zip(area, rep.datasets, strict=True))
         + ". The MAP U-Net has no epistemic map.\n"
     )
+
+
+def _spread_table(rep: Report) -> str:
+    rows = []
+    for d in rep.datasets:
+        for m in LAPLACE:
+            sp = [rep.res[d, s]["methods"][m].get("spread") for s in rep.seeds]
+            if any(v is None for v in sp):  # a result from before the diagnostic existed
+                continue
+            cells = [fmt([v[k] for v in sp], 4) for k in ("entropy_ratio", "mean_abs_dp")]
+            sd = [v["mean_sd_p"] for v in sp if "mean_sd_p" in v]
+            rows.append([f"{d}: {m}", *cells, fmt(sd, 4) if sd else "—"])
+    header = ["method", "mean entropy ÷ MAP's", "mean abs(E p − p_MAP)", "mean posterior sd of p"]
+    return lp._table(header, rows)
 
 
 def _section_training(rep: Report) -> str:
@@ -970,6 +1038,11 @@ def _section_training(rep: Report) -> str:
         "searches. At the upper end the posterior is nearly a point mass at the trained weights, "
         "so the Laplace predictive equals the MAP's (U-Net + LA ≈ MAP entropy; LSN ≈ the SSN's "
         "own aleatoric predictive) and `nn` and `glm` coincide.\n\n"
+        + _spread_table(rep)
+        + "\n\nThe posterior predictive against the MAP's on the clean test images (mean over "
+        "seeds ± 95 % t-interval): the ratio of their mean entropies, the mean "
+        "abs(E p − p_MAP) and the mean posterior sd of p. A ratio near 1 and a small "
+        "difference mean the prior left the predictive where the MAP's is.\n\n"
         + lp._table(["part", "summed wall min, all units", "longest unit, min"], timing_rows)
         + "\n\nWall-clock time (`time.perf_counter`) of each part as it ran, one torch thread per "
         "unit and two units side by side on the 2 cores, summed over the units: not CPU time. "
@@ -1031,17 +1104,22 @@ CSV_COLUMNS = (
 )
 
 
+SPREAD = ("entropy_ratio", "mean_abs_dp", "mean_sd_p")
+
+
 def write_csv(rep: Report, path: Path) -> None:
     kinds = sorted({k for v in rep.res.values() for k in v["shift_kinds"]})
     header = ["dataset", "seed", "method"] + [f"clean_{c}" for c in CSV_COLUMNS]
     header += ["shifted_auroc", "shifted_aurc", "shifted_dice"]
     header += [f"shift_auroc_{k}" for k in kinds] + [f"shift_auroc_fg_{k}" for k in kinds]
-    header += ["box_ratio_noise"]
+    header += ["box_ratio_noise", *SPREAD]
     with path.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(header)
         for (d, s), res in rep.res.items():
-            for m in (*METHODS, IMAGE_STATS):
+            for m in (*METHODS, IMAGE_STATS, IMAGE_STATS_RAW):
+                if m not in res["methods"]:
+                    continue
                 r = res["methods"][m]
                 row: list = [d, s, m]
                 clean = r.get("sets", {}).get("clean", {})
@@ -1051,6 +1129,7 @@ def write_csv(rep: Report, path: Path) -> None:
                 row += [r["shift_auroc"].get(k, "") for k in kinds]
                 row += [r.get("shift_auroc_fg", {}).get(k, "") for k in kinds]
                 row += [r.get("box_ratio", "")]
+                row += [r.get("spread", {}).get(k, "") for k in SPREAD]
                 w.writerow(
                     ["" if v is None else (f"{v:.6g}" if isinstance(v, float) else v) for v in row]
                 )
@@ -1150,7 +1229,9 @@ def write_report(
     )
     sections.append(
         "## Paired differences against MAP entropy and Ensemble (5)\n\n"
-        "Positive differences are better for AUROCs, negative ones for AURC and E-AURC.\n\n"
+        "Positive differences are better for AUROCs, negative ones for AURC and E-AURC. A "
+        "difference whose interval includes 0 is no measured difference. Image-level "
+        "conclusions rest on the fg score; the whole-image score is shown for comparison.\n\n"
         + "\n\n".join(_section_paired(rep, d) for d in datasets)
     )
     sections.append(

@@ -49,7 +49,13 @@ def test_quick_run_reports_every_method_and_section(bench, quick_report):
     shift = text.split("## Shift detection")[1].split("\n## ")[0]
     for dataset in ("lesions", "nuclei"):
         body = shift.split(f"### {dataset}")[1]
-        assert re.search(rf"^\| {bench.IMAGE_STATS} \| \d\.\d{{3}} ± ", body, re.M)
+        assert re.search(
+            rf"^\| {bench.IMAGE_STATS} \| \d\.\d{{3}} (± |\(same on all 2)", body, re.M
+        )
+    nuclei = shift.split("### nuclei")[1]
+    assert re.search(rf"^\| {re.escape(bench.IMAGE_STATS_RAW)} \| \d\.\d{{3}}", nuclei, re.M)
+    assert "U-Net + LA (nn, marglik)" in bench.METHODS
+    assert "mean entropy ÷ MAP's" in text
     assert "shift AUROC: volume" in shift
     for kind in ("blur", "contrast", "noise", "intensity"):
         assert f"shift AUROC: {kind}" in shift
@@ -60,8 +66,11 @@ def test_quick_run_reports_every_method_and_section(bench, quick_report):
     with (out / "uncertainty_per_seed.csv").open() as f:
         rows = list(csv.DictReader(f))
     keys = [(r["dataset"], r["seed"], r["method"]) for r in rows]
-    methods = (*bench.METHODS, bench.IMAGE_STATS)
-    expected = [(d, str(s), m) for d in ("lesions", "nuclei") for s in (0, 1) for m in methods]
+    methods = {
+        "lesions": (*bench.METHODS, bench.IMAGE_STATS),
+        "nuclei": (*bench.METHODS, bench.IMAGE_STATS, bench.IMAGE_STATS_RAW),
+    }
+    expected = [(d, str(s), m) for d in methods for s in (0, 1) for m in methods[d]]
     assert sorted(keys) == sorted(expected)
     assert all(r["shift_auroc_volume"] for r in rows if r["dataset"] == "nuclei")
 
