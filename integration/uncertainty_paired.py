@@ -6,7 +6,7 @@ for images, the mean entropy within the dilated predicted foreground (``*_fg``),
 shift. Its caches are not committed; its per-seed values are (``uncertainty_per_seed.csv``). This
 script computes, from that CSV alone and with :mod:`stats`, the per-seed differences
 ``method − reference`` (mean ± 95 % t-interval over the seeds, and k/n = better on k of n seeds)
-for those measures, and writes ``integration/results/uncertainty_paired.md``. No interval over
+against the MAP entropy, the ensemble and U-Net + LA (``nn``) for those measures, and writes ``integration/results/uncertainty_paired.md``. No interval over
 test images: the per-image values are in the uncached results only.
 
 Run: ``python integration/uncertainty_paired.py``.
@@ -41,7 +41,7 @@ SHIFT = {
     "lesions": ("blur", "contrast", "noise", "intensity"),
     "nuclei": ("volume",),
 }
-REFERENCES = ("MAP entropy", "Ensemble (5)")
+REFERENCES = ("MAP entropy", "Ensemble (5)", "U-Net + LA (nn)")
 BOX = ("LSN (nn)", ("MC dropout", "Ensemble (5)", "U-Net + LA (nn)"))
 
 
