@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.func import grad, vjp, vmap
 
 from lsn_ext._functional import functional_call_all
+from lsn_ext._memory import check_sample_memory
 from lsn_ext.engine import _check_finite_logits, _check_finite_result, _check_inputs
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy, Loss, as_loss
 
@@ -221,7 +222,8 @@ def mc_ggn_diagonal(
         :func:`exact_ggn_diagonal`.
 
     Raises:
-        ValueError: For ``mc_samples < 1`` or a model without trainable parameters.
+        ValueError: For ``mc_samples < 1``, more draws than the device's memory holds (naming
+            the memory they need), or a model without trainable parameters.
     """
     if mc_samples < 1:
         raise ValueError(f"mc_samples must be a positive int, got {mc_samples}")
@@ -232,6 +234,16 @@ def mc_ggn_diagonal(
     with torch.no_grad():
         logits = functional_call_all(model, {**buffers, **params}, (inputs,))
     _check_finite_logits(logits)
+    # Held at once: the draws s [S, N, ...] and the per-sample gradients [S, N, P].
+    n_params = sum(p.numel() for p in params.values())
+    check_sample_memory(
+        "mc_samples",
+        mc_samples,
+        logits.numel() + inputs.shape[0] * n_params,
+        logits,
+        "use fewer draws (the estimate's variance falls as 1/mc_samples: average calls with "
+        "different generators for more), or a smaller batch",
+    )
     s = _sample_output_gradient(loss, logits, targets, mc_samples, generator)  # [S, N, ...]
 
     def contracted(p: dict[str, Tensor], x: Tensor, s_n: Tensor) -> Tensor:

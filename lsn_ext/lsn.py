@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from lsn_ext import distributed as _dist
 from lsn_ext._functional import functional_call_all, unflatten
 from lsn_ext._laplace import BaseLaplace, Laplace
+from lsn_ext._memory import check_sample_memory
 from lsn_ext.estimators import Estimator
 from lsn_ext.glm import sample_chunks
 from lsn_ext.laplace_ext import (
@@ -513,6 +514,7 @@ def predict_lsn(
     Raises:
         TypeError: If ``la`` is not a laplace-torch ``Laplace``.
         ValueError: If ``la`` was not fitted on ``MeanNetwork(ssn)``, for sample counts below 2
+            (naming the argument) or ``n_aleatoric`` logit samples beyond the device's memory,
             and an empty or non-finite ``x``.
     """
     if not isinstance(la, BaseLaplace):
@@ -521,10 +523,23 @@ def predict_lsn(
         raise TypeError(f"predict_lsn takes an lsn_ext.models.SSN, got {type(ssn).__name__}")
     if not isinstance(la.model, MeanNetwork) or la.model.backbone is not ssn.backbone:
         raise ValueError("la must be the posterior of MeanNetwork(ssn) for this ssn (fit_lsn)")
-    _check_n_samples(n_epistemic)
-    _check_n_samples(n_aleatoric)
+    for name, value in (("n_epistemic", n_epistemic), ("n_aleatoric", n_aleatoric)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise ValueError(
+                f"{name} must be an int of at least 2 to estimate a variance, got {value!r}"
+            )
     _check_choice("pred_type", pred_type, PRED_TYPES)
     x = _check_images(x)
+    # The logit samples of one image batch, [n_aleatoric, N, K, *]: at least one class channel
+    # at the input's resolution (the SSN's output size is known only after its forward pass).
+    check_sample_memory(
+        "n_aleatoric",
+        n_aleatoric,
+        x.shape[0] * x[0, 0].numel(),
+        x,
+        "use fewer logit samples per parameter sample (the LSN paper uses 20), or predict on "
+        "fewer images at a time",
+    )
     with _restored(ssn):
         ssn.eval()
         return _predict_lsn(la, ssn, x, n_epistemic, n_aleatoric, seed, pred_type)

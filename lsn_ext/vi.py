@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from lsn_ext._functional import functional_call_all, unflatten
+from lsn_ext._memory import check_sample_memory
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
 
 __all__ = [
@@ -263,8 +264,15 @@ class StructuredGaussian(nn.Module):
                 f"mode {mode!r} draws groups of {g} coupled samples (rank {self.rank}); "
                 f"n must be a positive multiple of {g}, got {n}"
             )
-        kw = {"dtype": self.loc.dtype, "device": self.loc.device, "generator": generator}
         P, r = self.n_params, self.rank
+        check_sample_memory(
+            "n_samples/n",
+            n,
+            P + r,
+            self.loc,
+            "use fewer draws (the ELBO's default is 2 per step), or draw in smaller batches",
+        )
+        kw = {"dtype": self.loc.dtype, "device": self.loc.device, "generator": generator}
         if mode == "single":
             eps = torch.randn(n, P, **kw)
             return eps, torch.randn(n, r, **kw) if r else None
@@ -295,7 +303,8 @@ class StructuredGaussian(nn.Module):
             generator: Random generator.
 
         Raises:
-            ValueError: For an unknown mode or an ``n`` that does not fill whole groups.
+            ValueError: For an unknown mode, an ``n`` that does not fill whole groups, or more
+                draws than the device's memory holds (naming the memory they need).
         """
         eps, z = self._noise(n, mode, generator)
         theta = self.loc + eps * self.diag.sqrt()

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lsn_ext import DiagBackprop, VariationalPosterior, bridge_predictive
 from lsn_ext.estimators import ggn_diagonal
+from lsn_ext.exact import mc_ggn_diagonal
 from lsn_ext.laplace_ext import _check_before_laplace_fit, gridsearch_prior_precision, predict
 from lsn_ext.lsn import (
     aleatoric_maps,
@@ -42,10 +43,12 @@ from lsn_ext.lsn import (
     mc_dropout_predict,
     predict_lsn,
 )
-from lsn_ext.models.ssn import SSN
+from lsn_ext.models.ssn import SSN, ssn_loss
 from tests.model_state import differences, snapshot
 
 NAN, INF = float("nan"), float("inf")
+# More samples than any machine's memory holds (torch's allocator used to answer, nameless).
+HUGE = 10**12
 F64 = torch.float64  # the cases are built at import, before conftest's float64 default
 
 
@@ -953,7 +956,36 @@ CASES: dict[str, Case] = {
         **_raises(ValueError, "NaN or infinite"),
     ),
     "predict-lsn-one-epistemic-sample": Case(
-        _lsn(lambda ssn, la, x: predict_lsn(la, ssn, x, 1, 2)), **_raises(ValueError, "at least 2")
+        _lsn(lambda ssn, la, x: predict_lsn(la, ssn, x, 1, 2)),
+        **_raises(ValueError, "n_epistemic must be an int of at least 2.*got 1"),
+    ),
+    "predict-lsn-one-aleatoric-sample": Case(
+        _lsn(lambda ssn, la, x: predict_lsn(la, ssn, x, 2, 1)),
+        **_raises(ValueError, "n_aleatoric must be an int of at least 2.*got 1"),
+    ),
+    "predict-lsn-aleatoric-samples-beyond-memory": Case(
+        _lsn(lambda ssn, la, x: predict_lsn(la, ssn, x, 2, HUGE)),
+        **_raises(ValueError, rf"n_aleatoric={HUGE} needs .* GiB .*more than .*fewer"),
+    ),
+    "aleatoric-samples-beyond-memory": Case(
+        _ssn_call(lambda ssn, x: aleatoric_maps(ssn, x, HUGE)),
+        **_raises(ValueError, rf"n_samples={HUGE} needs .* GiB .*more than .*fewer"),
+    ),
+    "ssn-loss-samples-beyond-memory": Case(
+        _ssn_call(lambda ssn, x: ssn_loss(ssn.distribution(x), _ssn_data()[1], HUGE)),
+        **_raises(ValueError, rf"n_samples={HUGE} needs .* GiB .*more than .*fewer"),
+    ),
+    "mc-ggn-diagonal-samples-beyond-memory": Case(
+        _plain(_net, lambda net: mc_ggn_diagonal(net, _x(), _y(), "ce", mc_samples=HUGE)),
+        **_raises(ValueError, rf"mc_samples={HUGE} needs .* GiB .*more than .*fewer"),
+    ),
+    "vi-elbo-samples-beyond-memory": Case(
+        _vi_call(lambda vi: vi.elbo(_x(2), _y("ce", 2), n_samples=HUGE)),
+        **_raises(ValueError, rf"n_samples/n={HUGE} needs .* GiB .*more than .*fewer"),
+    ),
+    "vi-sample-beyond-memory": Case(
+        _vi_call(lambda vi: vi.sample(HUGE)),
+        **_raises(ValueError, rf"n_samples/n={HUGE} needs .* GiB .*more than .*fewer"),
     ),
     "predict-lsn-train-mode-ssn": Case(  # evaluated in eval mode, the mode restored
         _lsn(lambda ssn, la, x: predict_lsn(la, ssn, x, 2, 2), train=True),

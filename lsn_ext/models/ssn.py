@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Distribution, Independent, LowRankMultivariateNormal, Normal
 
+from lsn_ext._memory import check_sample_memory
 from lsn_ext.models.unet import UNet
 
 __all__ = ["SSN", "SSNOutput", "ssn_loss"]
@@ -63,12 +64,20 @@ class SSNOutput:
             ``[M, N, K, H, W]``.
 
         Raises:
-            ValueError: If ``M < 1``, or ``M`` is odd with ``antithetic=True``.
+            ValueError: If ``M < 1``, ``M`` is odd with ``antithetic=True``, or the samples need
+                more than the device's memory.
         """
         if n_samples < 1 or (antithetic and n_samples % 2):
             raise ValueError(
                 f"n_samples must be positive (and even for antithetic sampling), got {n_samples}"
             )
+        check_sample_memory(
+            "n_samples",
+            n_samples,
+            self.mean.numel(),
+            self.mean,
+            "use fewer logit samples (the SSN and LSN papers use 20), or a smaller batch",
+        )
         n_draw = n_samples // 2 if antithetic else n_samples
         N = self.mean.shape[0]
         like = self.mean
