@@ -57,7 +57,7 @@ from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
 from lsn_ext.glm import linearized_tangents, sample_chunks
 from lsn_ext.outputs import SelectInput, plain_tensor
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
-from lsn_ext.sliding import SlidingWindow
+from lsn_ext.sliding import SlidingWindow, as_window
 
 __all__ = [
     "DiagBackprop",
@@ -1096,7 +1096,7 @@ def predict(
     pred_type: Literal["glm", "nn"] = "nn",
     link_approx: Literal["mc", "probit", "bridge"] = "mc",
     generator: torch.Generator | None = None,
-    window: SlidingWindow | None = None,
+    window: SlidingWindow | Sequence[int] | None = None,
 ) -> SegmentationPrediction:
     r"""Per-pixel predictive of a fitted Laplace approximation (or any Gaussian posterior).
 
@@ -1149,7 +1149,8 @@ def predict(
         window: Evaluate every draw by sliding-window inference over ``x``
             (:class:`~lsn_ext.SlidingWindow`, MONAI's blending; for volumes larger than one
             forward pass allows); the maps are those of the blended logits of each draw, see
-            :mod:`lsn_ext.sliding`. ``None``: the network runs on ``x`` whole.
+            :mod:`lsn_ext.sliding`. A tuple of ints is the window size with the default
+            settings (``window=(96, 96, 96)``). ``None``: the network runs on ``x`` whole.
 
     Returns:
         The predictive maps (:class:`SegmentationPrediction`), with ``logit_mean`` and
@@ -1167,6 +1168,7 @@ def predict(
     _check_n_samples(n_samples)
     _check_choice("pred_type", pred_type, PRED_TYPES)
     _check_choice("link_approx", link_approx, LINK_APPROXES)
+    window = as_window(window)
     if isinstance(x, Mapping):
         x = _dict_input(la.model, x, la.dict_key_x, "predict")
     x = _check_images(plain_tensor(x))

@@ -90,3 +90,24 @@ class SlidingWindow:
             mode=self.mode,
             sigma_scale=self.sigma_scale,
         )
+
+
+def as_window(window: object) -> Callable[[Callable[[Tensor], Tensor], Tensor], Tensor] | None:
+    """The ``window`` argument of :func:`lsn_ext.predict`, with a window size accepted.
+
+    A tuple or list of ints is the window size (``roi_size``, one int per spatial axis) with the
+    default settings: ``window=(96, 96, 96)`` is ``SlidingWindow((96, 96, 96))``. ``None``, a
+    :class:`SlidingWindow` and any other ``(network, x) -> logits`` callable pass unchanged.
+
+    Raises:
+        TypeError: For anything else, naming its type and the accepted forms.
+        ValueError: For a window size that :class:`SlidingWindow` refuses.
+    """
+    if window is None or callable(window):
+        return window
+    if isinstance(window, tuple | list):
+        return SlidingWindow(tuple(window))
+    raise TypeError(
+        "window must be an lsn_ext.SlidingWindow or a window size (a tuple of ints, one per "
+        f"spatial axis, e.g. window=(96, 96, 96)); got {type(window).__name__} {window!r}"
+    )

@@ -143,3 +143,30 @@ def test_missing_monai_is_named(la, monkeypatch):
     monkeypatch.setitem(sys.modules, "monai.inferers", None)
     with pytest.raises(ImportError, match="pip install monai"):
         predict(la, _volume(), 2, window=SlidingWindow((6, 6, 6)))
+
+
+@pytest.mark.parametrize("size", [(6, 6, 6), [6, 6, 6]], ids=["tuple", "list"])
+def test_a_window_size_is_a_sliding_window_with_the_default_settings(la, size):
+    """``window=(8, 8)`` raised ``TypeError: 'tuple' object is not callable``."""
+    x = _volume()
+    got = predict(la, x, 4, window=size, generator=torch.Generator().manual_seed(5))
+    want = predict(
+        la, x, 4, window=SlidingWindow((6, 6, 6)), generator=torch.Generator().manual_seed(5)
+    )
+    torch.testing.assert_close(got.mean, want.mean, rtol=0, atol=0)
+    torch.testing.assert_close(got.variance, want.variance, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("window", "error", "pattern"),
+    [
+        (6, TypeError, r"window must be an lsn_ext.SlidingWindow or a window size.*got int 6"),
+        ("gaussian", TypeError, r"window must be .*got str 'gaussian'"),
+        ((6, 6), ValueError, r"roi_size \(6, 6\) has 2 entries but the input"),
+        ((6.0, 6, 6), ValueError, r"roi_size must be positive ints"),
+    ],
+    ids=["int", "str", "wrong-rank-tuple", "float-tuple"],
+)
+def test_other_windows_are_refused_by_type_or_size(la, window, error, pattern):
+    with pytest.raises(error, match=pattern):
+        predict(la, _volume(), 2, window=window)
