@@ -6,7 +6,7 @@ Shape legend: ``N`` batch, ``C`` channels, ``H``/``W`` height and width, ``L`` n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -161,6 +161,8 @@ class UNet(nn.Module):
             Logits ``[N, out_channels, H, W]``.
 
         Raises:
+            TypeError: If ``x`` is not a tensor (a dictionary batch: with the
+                :class:`~lsn_ext.SelectInput` remedy).
             ValueError: If ``x`` is not 4-D, has the wrong number of channels, or ``H``/``W``
                 is not divisible by ``2 ** (L - 1)``.
         """
@@ -179,8 +181,17 @@ class UNet(nn.Module):
             x = decoder(torch.cat([skips.pop(), up(x)], dim=1))
         return self.head(x)
 
-    def _check_input(self, x: Tensor) -> None:
+    def _check_input(self, x: object) -> None:
         """The input checks of :meth:`forward` (see its ``Raises``)."""
+        if isinstance(x, Mapping):
+            raise TypeError(
+                f"UNet takes an image tensor [N, C, H, W], got a dictionary batch (keys "
+                f"{sorted(map(str, x))}). Pass batch['image'], or wrap the network: "
+                "lsn_ext.SelectInput(unet, 'image') takes batch['image'] (with Laplace(..., "
+                "dict_key_x='image', dict_key_y='label') for MONAI's keys)"
+            )
+        if not isinstance(x, Tensor):
+            raise TypeError(f"UNet takes an image tensor [N, C, H, W], got a {type(x).__name__}")
         if x.dim() != 4:
             raise ValueError(f"UNet expects images [N, C, H, W], got shape {tuple(x.shape)}")
         if x.shape[1] != self.in_channels:

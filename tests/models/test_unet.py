@@ -125,6 +125,24 @@ def test_bad_inputs(case):
         net(torch.zeros(shape))
 
 
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        (
+            {"image": torch.zeros(1, 3, 16, 16)},
+            r"dictionary batch \(keys \['image'\]\).*"
+            r"lsn_ext.SelectInput\(unet, 'image'\)",
+        ),
+        ([torch.zeros(1, 3, 16, 16)], r"image tensor \[N, C, H, W\], got a list"),
+    ],
+    ids=["dictionary", "list"],
+)
+def test_a_batch_that_is_not_a_tensor_is_refused_with_the_remedy(batch, match):
+    """A dictionary batch said ``'dict' object has no attribute 'dim'``."""
+    with pytest.raises(TypeError, match=match):
+        UNet(3, 1, widths=(2, 3, 4))(batch)
+
+
 def test_symbolic_tracing_skips_the_input_checks_and_keeps_the_network():
     """torch.fx (BackPACK's converter) traces the U-Net; real inputs are still checked."""
     net = UNet(3, 2, widths=(4, 8)).eval()
