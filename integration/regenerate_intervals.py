@@ -13,9 +13,11 @@ in the CSV (or a per-seed difference of two series), with :mod:`stats`'s interva
    (``T_975`` with the 1.96 fallback, the formula the report was written with) print as the
    cell's digits, so a match also confirms that the committed cell came from the CSV (or the
    new half-width: an already regenerated cell, which then stays as it is);
-3. where candidates of different new text match, those whose metric is named on the cell's
-   line (or its column header) are kept; a cell still ambiguous, or one that matches nothing
-   but would change (more than 8 degrees of freedom, or a half-width printed as 0), is an error.
+3. of the matching candidates, those that the cell's row names (its entity, the pair
+   ``a − b``, or ``a`` against the report's reference) and whose metric its column (or line)
+   names are kept where there are any; a cell whose candidates still give different new text,
+   or one that matches nothing but would change (more than 8 degrees of freedom, or a
+   half-width printed as 0), is an error.
 
 Bootstrap intervals ``[lo, hi]``, counts ``(k/n above)`` and every other cell are left as they
 are (they do not depend on the t quantile). Run: ``python integration/regenerate_intervals.py
