@@ -75,6 +75,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lsn_ext._fingerprint import fingerprint, global_forward_hooks
 from lsn_ext._functional import functional_call_all
 from lsn_ext._kernels import choose, timing_applies
 from lsn_ext.engine import (
@@ -273,7 +274,12 @@ def _direct_sample_grads(
 
 
 _LOOP_FASTER: dict[tuple, bool] = {}
-"""Per CPU convolution signature: whether per-sample kernels beat the grouped one (timed once)."""
+"""Per CPU convolution signature: whether per-sample kernels beat the grouped one (timed once).
+
+Keyed by shapes, convolution geometry, dtype and thread count, never by a model: both kernels
+compute the same per-sample gradients exactly (up to round-off), so an entry that no longer
+fits the machine's load changes the speed only, never a result.
+"""
 
 
 def _conv_sample_grads(
@@ -724,14 +730,28 @@ def _lost(model: nn.Module, name: str, owners: list[_Owner], what: str) -> None:
 
 
 class _RandomOpGuard(TorchFunctionMode):
-    """Refuses train-mode functional dropout in ``forward`` (a random Jacobian), as DB does."""
+    """Refuses train-mode functional dropout in ``forward`` (a random Jacobian), as DB does.
 
-    def __init__(self, model: nn.Module):
+    With ``count_uses``, also counts how often each parameter enters a torch function in the
+    forward pass (``uses``, by ``id``, in order of first use): a module whose ``forward`` is
+    called directly (no hooks fire) or a parameter used outside its module's call changes these
+    counts where the hooked module calls stay the same.
+    """
+
+    def __init__(self, model: nn.Module, count_uses: bool = False):
         super().__init__()
         self.model = model
+        self.uses: Counter[int] | None = Counter() if count_uses else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.uses is not None:
+            for a in args:
+                if isinstance(a, nn.Parameter):
+                    self.uses[id(a)] += 1
+            for a in kwargs.values():
+                if isinstance(a, nn.Parameter):
+                    self.uses[id(a)] += 1
         name = getattr(func, "__name__", None)
         if name in _DROPOUT and torch.is_grad_enabled():
             bound = _bind(args, kwargs, (("p", 0.5), ("training", True), ("inplace", False)))
@@ -776,20 +796,29 @@ class _UnverifiedError(Exception):
     """A call without batch weight gradients captured other than the verified call did.
 
     Other parameters, or the same ones through other module calls (:class:`_Verified`). That
-    model and input signature go back to verified calls for good, or, where the call
-    ended its backward pass at the entry modules' outputs (``at_entries``), to passes that end
-    at the input. Carries the call's random vectors ``z``, so that the rerun draws nothing new.
+    call structure goes back to verified calls for good, or, where the call ended its backward
+    pass at the entry modules' outputs (``at_entries``), to passes that end at the input.
+    Carries the call's random vectors ``z``, so that the rerun draws nothing new.
     """
 
-    def __init__(self, noise: Tensor, at_entries: bool):
+    def __init__(self, noise: Tensor, structure: tuple, verified: _Verified, at_entries: bool):
         super().__init__()
         self.noise = noise
+        self.structure = structure
+        self.verified = verified
         self.at_entries = at_entries
 
 
 @dataclass(frozen=True)
 class _Verified:
-    """What a verified call (batch weight gradients checked) found for a model and signature.
+    """What a verified call (batch weight gradients checked) found for one call structure.
+
+    Kept per model, per key of :func:`_monte_carlo` (input signature and the model's
+    :func:`~lsn_ext._fingerprint.fingerprint`) and per *structure* (the module calls of the
+    forward pass whose output needs a gradient, in order, each with whether it was called on
+    the input itself, and how often each parameter entered a torch function): a later call
+    uses it only where all three are equal, and checks every
+    draw that its backward pass reached exactly ``fired``.
 
     Attributes:
         captured: The parameters whose per-sample gradients the capture delivered.
@@ -850,11 +879,20 @@ def _monte_carlo(
 
     Cost: the check that per-sample gradients sum to the batch gradients needs the batch weight
     gradients, a second set of weight products beside the per-sample ones. It runs on the first
-    call per model and input signature (every draw); later calls take the backward pass only
-    as far as the capture needs (no batch weight gradients) and check that it delivers exactly
-    the parameters the verified call did, from the same module calls (a call whose output does
-    not depend on the input, e.g. a shared module applied to a buffer as well, is out of the
-    pass's reach), else they fall back to verified calls for good. The pass ends at the outputs
+    call per model, input signature, model state and call structure (every draw): the state is
+    the model's :func:`~lsn_ext._fingerprint.fingerprint` (each module's identity, class,
+    training flag and hooks, the parameter tensors it holds, torch's global hooks), read every
+    call; the structure is the sequence of owner calls in this forward pass and how often each
+    parameter entered a torch function (a data-dependent branch that calls other modules, or a
+    module's ``forward`` directly, has another). Where any of them differs from every verified
+    call's, the call is verified again; with torch's global forward hooks registered (they run
+    before the capture's and may change any output) every call is. Later calls with the same
+    key take the backward pass only as far as the capture needs (no batch weight gradients)
+    and check in every draw that it delivers exactly the parameters the verified call did,
+    from the same module calls (a call whose output does not depend on the input, e.g. a shared
+    module applied to a buffer as well, is out of the pass's reach), else that structure falls
+    back to verified calls for good. The capture's hook is the first forward hook of each
+    module, so a user's hook that changes the output acts after it. The pass ends at the outputs
     of the modules called on the input itself (the *entries*: the first convolution of a
     U-Net), which skips their input gradient (a 3-channel input at 64², batch 8: 0.55 ms of a
     25 ms training step); at the input where an in-place operation changes an entry's output
@@ -869,39 +907,108 @@ def _monte_carlo(
     names, chosen = _select_params(model, params, named_params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     _check_inputs(model, args, named_params)
-    register_adapters_for(_modules(model))
-    key = _signature(args, names)
-    replan = _force is not None or key in _REPLAN.get(model, set())
-    known = _VERIFIED.setdefault(model, {})
+    modules = _modules(model)
+    register_adapters_for(modules)
+    signature = _signature(args, names)
+    state = fingerprint(modules)
+    replan = _force is not None or signature in _REPLAN.get(model, set())
+    # Global forward hooks run before the capture's and may change any output on any call.
+    fast = _force is None and not global_forward_hooks()
+    plans = _plans(model, (signature, state)) if fast else None
     while True:
         owners, whole = _plan(model, names, chosen, args, replan, _force)
-        verified = None if _force is not None else known.get(key)
         try:
-            result, found = _run(model, args, targets, loss_fn, mc_samples, generator, noise,
-                                 names, chosen, owners, whole, verified)  # fmt: skip
+            result, structure, found = _run(
+                model, args, targets, loss_fn, mc_samples, generator, noise, names, chosen,
+                owners, whole, plans, state,
+            )  # fmt: skip
         except _ReplanError:
             if replan:
                 raise
-            _REPLAN.setdefault(model, set()).add(key)
-            known.pop(key, None)
+            _REPLAN.setdefault(model, set()).add(signature)
+            if plans is not None:
+                plans.clear()
             replan = True
             continue
+        except RuntimeError as err:
+            explained = _explained(err)
+            if explained is None:
+                raise
+            raise explained from err
         except _UnverifiedError as err:
             # Verified calls from now on, or passes to the input where the entries missed one.
-            known[key] = dataclasses.replace(verified, entries=False) if err.at_entries else None
+            plans[err.structure] = (
+                dataclasses.replace(err.verified, entries=False) if err.at_entries else None
+            )
             noise = err.noise
             continue
-        if key not in known and found is not None:
-            known[key] = found
+        if plans is not None and found is not None and structure not in plans:
+            _keep(plans, structure, found)
         return result
 
 
-# (model, input signature) whose leaves the capture cannot serve: plan blocks before the pass.
+def _explained(err: RuntimeError) -> NotImplementedError | None:
+    """A torch error of the passes, told as what it means for the estimator (None: as it is)."""
+    text = str(err)
+    if "use_reentrant=True" in text:
+        return NotImplementedError(
+            "the model uses torch.utils.checkpoint with use_reentrant=True, whose backward "
+            "pass cannot run under torch.autograd.grad, and the Monte-Carlo estimator takes "
+            "its backward passes that way (to the capture's tensors, not into .grad). Pass "
+            "use_reentrant=False to torch.utils.checkpoint.checkpoint (torch's recommended "
+            "variant; the estimator supports it), or switch checkpointing off for the "
+            "curvature (it changes memory, not the function)"
+        )
+    if "donated buffers" in text:
+        return NotImplementedError(
+            "the model (or a submodule) is compiled with torch.compile, whose compiled "
+            "backward frees its saved tensors after one pass (donated buffers), and the "
+            "Monte-Carlo estimator takes several backward passes of one forward pass (one per "
+            "draw, and its checks). Pass the uncompiled module (model._orig_mod of a "
+            "torch.compile'd model: the same parameters), or set "
+            "torch._functorch.config.donated_buffer = False before compiling"
+        )
+    return None
+
+
+# What the Monte-Carlo estimator caches between calls, and why a stale entry cannot change a
+# result:
+# - _VERIFIED: per model, per (input signature, fingerprint of the model) and per call
+#   structure, what a verified call found (_Verified; None: verify every call). A later call
+#   takes the fast path only where all three are equal to the verified call's, and checks in
+#   every draw that its backward pass reached exactly the module calls that call's did: a
+#   change of hooks, modes, modules or parameters changes the fingerprint (see
+#   lsn_ext._fingerprint), a branch taken on other data changes the structure, and either
+#   sends the call down the verified path.
+# - _REPLAN: per model, the input signatures whose leaves the capture could not serve, so that
+#   the plan probes for blocks before the pass. The probe itself runs on the model as it is
+#   now; a stale entry costs one probe, never a result.
+# - _INDEPENDENT: per model, the (signature, fingerprint, owners, call structure) whose samples
+#   were checked to be independent; any change of those checks again.
+# - _LOOP_FASTER (rules of the direct kernels) and the conv rule's _SPLIT_FASTER: which of two
+#   exact formulations of the same product is faster for a shape signature. Both compute the
+#   same numbers up to round-off, so a stale choice changes the speed only.
 _REPLAN: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
-# (model, input signature) → what its verified call found (None: always verify).
-_VERIFIED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, _Verified | None]] = (
+_VERIFIED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, dict[tuple, _Verified | None]]] = (
     weakref.WeakKeyDictionary()
 )
+_KEEP = 8
+"""Keys per model, and call structures per key, that :data:`_VERIFIED` keeps (most recent)."""
+
+
+def _plans(model: nn.Module, key: tuple) -> dict[tuple, _Verified | None]:
+    """The verified plans of ``model`` for ``key``, per call structure (most recent kept)."""
+    known = _VERIFIED.setdefault(model, {})
+    plans = known.pop(key, {})
+    _keep(known, key, plans)
+    return plans
+
+
+def _keep(cache: dict, key: Any, value: Any) -> None:
+    """``cache[key] = value`` as the most recent entry, dropping the oldest beyond :data:`_KEEP`."""
+    cache[key] = value
+    while len(cache) > _KEEP:
+        del cache[next(iter(cache))]
 
 
 def _signature(args: tuple, names: list[str]) -> tuple:
@@ -921,14 +1028,23 @@ def _run(
     chosen: list[Tensor],
     owners: list[_Owner],
     whole: list[str],
-    verified: _Verified | None = None,
-) -> tuple[DiagBackpropResult, _Verified | None]:
+    plans: dict[tuple, _Verified | None] | None = None,
+    model_state: tuple = (),
+) -> tuple[DiagBackpropResult, tuple, _Verified | None]:
     """One Monte-Carlo pass with a given plan (see :func:`_monte_carlo`).
 
-    With ``verified`` (what an earlier verified call found) the backward passes go to the
-    input, not to the weights; without, every draw checks the capture against the batch weight
-    gradients. Returns the result and, for a verified call whose input can carry a gradient,
-    what it found.
+    ``plans`` holds what earlier verified calls found for this model, signature and
+    fingerprint (``model_state``), per call structure; ``None``: verify this call. The forward
+    pass records its call structure (the owners' calls whose output needs a gradient, each
+    with whether it was called on the input, and the parameters' use counts of
+    :class:`_RandomOpGuard`). Where ``plans`` has a :class:`_Verified` for that
+    structure, the backward passes go to the entries or the input, not to the weights, and
+    every draw must reach exactly its module calls; otherwise every draw checks the capture
+    against the batch weight gradients.
+
+    Returns:
+        The result, the call structure, and for a verified call whose input can carry a
+        gradient, what it found.
     """
     handles: list[Any] = []
     taps: list[Any] = []  # the tensor hooks, removed after the backward passes
@@ -938,23 +1054,14 @@ def _run(
         i for i, a in enumerate(args)
         if isinstance(a, Tensor) and a.is_floating_point() and not a.requires_grad
     ]  # fmt: skip
-    if verified is not None and not leaves:
-        verified = None
-    if verified is not None:
+    fast = plans is not None and bool(leaves)  # a later call may skip the weights' gradients
+    if fast:
         args = tuple(a.detach().requires_grad_(True) if i in leaves else a
                      for i, a in enumerate(args))  # fmt: skip
-        for owner in owners:
-            owner.names = {o: n for o, n in owner.names.items() if n not in verified.rerouted}
-        whole += [n for n in verified.rerouted if n not in whole]
-        # A leaf whose parameters no other owner holds, called once, squares its own share: no
-        # sums over calls or owners, and no check against batch gradients in these calls.
-        held = Counter(n for owner in owners for n in owner.names.values())
-        for owner in owners:
-            owner.alone = not owner.block and all(held[n] == 1 for n in owner.names.values())
     rerouted: list[str] = []
     captured: set[str] = set()
     fired: set[tuple[str, int]] = set()  # (owner path, call index) whose gradient arrived
-    at_entries = verified is not None and verified.entries
+    calls: list[tuple[str, int, bool]] = []  # the structure: (owner path, call index, entry)
     inputs = [args[i] for i in leaves]
     entries: list[tuple[Tensor, int]] = []  # outputs of module calls on an input, versions
 
@@ -964,7 +1071,7 @@ def _run(
         except ValueError as err:
             raise ValueError(f"'{_path(model, module)}' ({type(module).__name__}): {err}") from None
 
-    guard = _RandomOpGuard(model)
+    guard = _RandomOpGuard(model, count_uses=fast)
 
     def capture(owner: _Owner):
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
@@ -993,9 +1100,11 @@ def _run(
             if not out.requires_grad:
                 return None
             tapped = out.clone() if out._is_view() else out
-            if at_entries and any(args[0] is t for t in inputs):
+            entry = fast and any(args[0] is t for t in inputs)
+            if entry:
                 entries.append((tapped, tapped._version))
             call = (owner.path, owner.calls)
+            calls.append((*call, entry))
             owner.calls += 1
             y = out.detach() if owner.block else None
 
@@ -1020,7 +1129,12 @@ def _run(
                 if rule is not None and type(rule).check is not Rule.check:
                     handles.append(module.register_forward_pre_hook(check))
             for owner in owners:
-                handles.append(owner.module.register_forward_hook(capture(owner), with_kwargs=True))
+                # First among the module's forward hooks: a hook of the user's that changes the
+                # output acts after the capture, like any later operation.
+                hook = capture(owner)
+                handles.append(
+                    owner.module.register_forward_hook(hook, with_kwargs=True, prepend=True)
+                )
             with torch.enable_grad(), guard:
                 logits = model(*args)
         finally:
@@ -1029,13 +1143,39 @@ def _run(
         check_logits(logits)
         f = logits.detach()
         _check_finite_logits(f)
-        _check_samples_independent(model, owners, args, bool(whole))
+        structure = (tuple(calls), tuple(guard.uses.items()) if fast else ())
+        verified = plans.get(structure) if fast else None
+        if verified is not None:
+            for owner in owners:
+                owner.names = {o: n for o, n in owner.names.items() if n not in verified.rerouted}
+            whole += [n for n in verified.rerouted if n not in whole]
+            # A leaf whose parameters no other owner holds, called once, squares its own share:
+            # no sums over calls or owners, and no check against batch gradients in these calls.
+            held = Counter(n for owner in owners for n in owner.names.values())
+            for owner in owners:
+                owner.alone = not owner.block and all(held[n] == 1 for n in owner.names.values())
+        at_entries = verified is not None and verified.entries
+        if not at_entries:
+            entries.clear()
+        _check_samples_independent(model, owners, args, bool(whole), (model_state, structure))
         value = loss_fn.value(f, targets)
-        if noise is None:
-            shape = (mc_samples, *f.shape)
-            noise = torch.randint(0, 2, shape, generator=generator, device=f.device)
-            noise = noise.to(f.dtype) * 2 - 1
-        vectors = loss_fn.hessian_sqrt(f, targets, noise)
+        try:
+            if noise is None:
+                shape = (mc_samples, *f.shape)
+                noise = torch.randint(0, 2, shape, generator=generator, device=f.device)
+                noise = noise.to(f.dtype) * 2 - 1
+            vectors = loss_fn.hessian_sqrt(f, targets, noise)
+        except RuntimeError as err:  # torch.OutOfMemoryError included
+            if "memory" not in str(err).lower():
+                raise
+            gib = mc_samples * f.numel() * (8 + 2 * f.element_size()) / 2**30
+            raise MemoryError(
+                f"mc_samples={mc_samples} Monte-Carlo vectors for logits of shape "
+                f"{tuple(f.shape)} are held at once (about {gib:.3g} GiB) and the {f.device} "
+                "allocator refused them. Use a smaller mc_samples (the estimate's variance falls "
+                "as 1/mc_samples; the mean of several calls with fewer samples is the same "
+                "estimator), or a smaller batch"
+            ) from err
         totals: dict[str, Tensor] = {}
         expected: dict[str, Tensor] = {}  # Σ over draws of the batch gradients, whole-model path
         by_name = dict(zip(names, chosen, strict=True))
@@ -1061,7 +1201,7 @@ def _run(
             if verified is not None and (
                 set(per_sample) | set(squares) != verified.captured or fired != verified.fired
             ):
-                raise _UnverifiedError(noise, at_entries=bool(intact))
+                raise _UnverifiedError(noise, structure, verified, at_entries=bool(intact))
             if k == 0:
                 first_fired = frozenset(fired)
             fired.clear()
@@ -1113,9 +1253,9 @@ def _run(
         loss=value.detach(), logits=f, diagonals=diagonals, mc_paths=mc_paths
     )
     found = None
-    if verified is None and leaves:
+    if verified is None and fast:
         found = _Verified(frozenset(captured), tuple(rerouted), first_fired)
-    return result, found
+    return result, structure, found
 
 
 def _whole_model(
@@ -1323,14 +1463,17 @@ def _parent(path: str) -> str:
     return path.rpartition(".")[0]
 
 
-# (model, input shapes and dtypes) already checked by _check_samples_independent.
-_INDEPENDENT: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+# (model, input shapes and dtypes, state) already checked by _check_samples_independent.
+_INDEPENDENT: weakref.WeakKeyDictionary[nn.Module, dict[tuple, bool]] = weakref.WeakKeyDictionary()
 
 
 def _check_samples_independent(
-    model: nn.Module, owners: list[_Owner], args: tuple, whole: bool = False
+    model: nn.Module, owners: list[_Owner], args: tuple, whole: bool = False, state: tuple = ()
 ) -> None:
-    """Verify once per model and input shape that dim 0 of every owner's input is the batch.
+    """Verify once per model and state that dim 0 of every owner's input is the batch.
+
+    ``state`` is what else the answer depends on (:func:`_run` passes the model's fingerprint
+    and the call structure: a mode switch, a swapped module or another branch checks again).
 
     Per-sample gradients split each owning module's input along dim 0. A module whose input
     has the batch's size in dim 0 without it being the batch (a sequence-first ``[L, N, E]``
@@ -1352,8 +1495,9 @@ def _check_samples_independent(
         tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, Tensor)),
         tuple((o.path, o.block) for o in owners),
         whole,
+        state,
     )
-    done = _INDEPENDENT.setdefault(model, set())
+    done = _INDEPENDENT.setdefault(model, {})
     if key in done:
         return
     leaves = [
@@ -1378,7 +1522,9 @@ def _check_samples_independent(
         return hook
 
     handles = [o.module.register_forward_pre_hook(record(o)) for o in owners]
-    handles += [o.module.register_forward_hook(record_output(o)) for o in owners if o.block]
+    handles += [
+        o.module.register_forward_hook(record_output(o), prepend=True) for o in owners if o.block
+    ]
     try:
         with torch.enable_grad(), _RandomOpGuard(model):
             out = model(*leaves)
@@ -1420,7 +1566,7 @@ def _check_samples_independent(
             "its parameters), which needs a forward that treats the samples independently; "
             "call model.eval(), or use estimator='db' where it has rules"
         )
-    done.add(key)
+    _keep(done, key, True)
 
 
 def _path(model: nn.Module, module: nn.Module) -> str:

@@ -43,6 +43,7 @@ import tqdm
 from torch import Tensor, nn
 
 from lsn_ext import distributed as _dist
+from lsn_ext._fingerprint import fingerprint
 from lsn_ext._functional import functional_call_all, unflatten
 from lsn_ext._laplace import (
     BaseLaplace,
@@ -453,8 +454,8 @@ class DiagBackprop(GGNInterface):
             raise TypeError(f"distributed must be a bool, got {distributed!r}")
         self.distributed = distributed
         self._seen = 0  # samples summed over the ranks in the current fit
+        self._checked_output: tuple | None = None  # fingerprint of the model last checked
         self._fit: list[int] | None = None  # [id of laplace-torch's fit frame, batches left]
-        self._checked_output = False
         self.factor = 1.0
         self.lossfunc = self.loss_fn.value
 
@@ -588,8 +589,14 @@ class DiagBackprop(GGNInterface):
         return self._fit[1] == 0
 
     def _check_output(self, x: Tensor) -> None:
-        """Once per backend: refuse outputs laplace-torch would mishandle."""
-        if self._checked_output:
+        """Refuse outputs laplace-torch would mishandle; again whenever the model changed.
+
+        One forward pass of one sample, repeated only where the model's
+        :func:`~lsn_ext._fingerprint.fingerprint` differs from the last checked one (a head
+        swapped or wrapped between two fits).
+        """
+        state = fingerprint(list(self.model.modules()))
+        if state == self._checked_output:
             return
         with torch.no_grad():
             out = self.model(x[:1])
@@ -612,7 +619,7 @@ class DiagBackprop(GGNInterface):
                 f"cross-entropy over one logit channel (output {tuple(out.shape)}) is constant: "
                 "for binary segmentation with one channel pass backend_kwargs={'loss': 'bce'}"
             )
-        self._checked_output = True
+        self._checked_output = state
 
     def diag(
         self, x: Tensor | MutableMapping[str, Any], y: Tensor, **kwargs: Any

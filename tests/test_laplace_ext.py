@@ -412,6 +412,24 @@ def test_cross_entropy_on_one_channel_is_refused_at_fit():
         la.fit(DataLoader(TensorDataset(x, m[:, 0].long()), batch_size=2))
 
 
+class _FirstChannel(nn.Module):
+    def forward(self, x):
+        return x[:, :1]
+
+
+def test_a_head_swapped_to_one_channel_after_a_fit_is_refused_at_the_next_fit():
+    # The output check ran once per backend: a second fit after the head was swapped for a
+    # one-channel one summed the zero curvature of a constant softmax, silently.
+    x, m = lesions(4)
+    net = UNet(3, 2, widths=(2, 3, 4))
+    la = make_laplace(net)
+    loader = DataLoader(TensorDataset(x, m[:, 0].long()), batch_size=2)
+    la.fit(loader)
+    net.head = nn.Sequential(net.head, _FirstChannel())  # the same parameters, one channel out
+    with pytest.raises(ValueError, match=r"one logit channel.*'loss': 'bce'"):
+        la.fit(loader, override=False)
+
+
 def test_dense_regression_is_refused_and_flat_outputs_get_the_gaussian_normaliser():
     x, m = lesions(4)
     y = m.expand(-1, 2, -1, -1) * 2 - 1

@@ -182,6 +182,8 @@ def register_adapters_for(model: nn.Module | Iterable[nn.Module]) -> None:
 
 
 _LOOKED_AT: set[type] = set()
+"""Module classes already looked at: an adapter, once imported, stays registered (no result
+depends on when it was imported)."""
 
 
 def supported_modules() -> list[str]:

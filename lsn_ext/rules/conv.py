@@ -182,7 +182,11 @@ def _geometry(module: _ConvNd, x: Tensor, y: Tensor) -> _Geometry:
 
 
 _SPLIT_FASTER: dict[tuple, bool] = {}
-"""Per CPU convolution signature: whether the input rule as a forward convolution is faster."""
+"""Per CPU convolution signature: whether the input rule as a forward convolution is faster.
+
+Keyed by the module class, shapes, geometry, dtype and thread count (:func:`_signature`), never
+by a model: both formulations are exact, so a stale entry changes the speed only.
+"""
 
 
 def _forward_conv_applies(module: _ConvNd, geo: _Geometry) -> bool:
