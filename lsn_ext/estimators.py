@@ -78,6 +78,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lsn_ext._fingerprint import fingerprint, global_forward_hooks
 from lsn_ext._functional import functional_call_all
 from lsn_ext._kernels import choose, timing_applies
+from lsn_ext._memory import check_sample_memory
 from lsn_ext.engine import (
     DiagBackpropResult,
     _bind,
@@ -140,7 +141,8 @@ def ggn_diagonal(
         scale ``c_ℓ`` per parameter tensor (``scales``).
 
     Raises:
-        ValueError: An unknown estimator, ``mc_samples < 1``, ``shrinkage`` outside
+        ValueError: An unknown estimator, ``mc_samples < 1`` or more draws than the device's
+            memory holds (naming the memory they need), ``shrinkage`` outside
             ``[0, 1]``, non-finite weights (naming the parameter) or inputs, an empty batch,
             bad targets, or anything :func:`~lsn_ext.diag_backprop` refuses.
         NotImplementedError: For ``"mc"``, a forward that mixes the samples (naming the module,
@@ -1159,23 +1161,18 @@ def _run(
             entries.clear()
         _check_samples_independent(model, owners, args, bool(whole), (model_state, structure))
         value = loss_fn.value(f, targets)
-        try:
-            if noise is None:
-                shape = (mc_samples, *f.shape)
-                noise = torch.randint(0, 2, shape, generator=generator, device=f.device)
-                noise = noise.to(f.dtype) * 2 - 1
-            vectors = loss_fn.hessian_sqrt(f, targets, noise)
-        except RuntimeError as err:  # torch.OutOfMemoryError included
-            if "memory" not in str(err).lower():
-                raise
-            gib = mc_samples * f.numel() * (8 + 2 * f.element_size()) / 2**30
-            raise MemoryError(
-                f"mc_samples={mc_samples} Monte-Carlo vectors for logits of shape "
-                f"{tuple(f.shape)} are held at once (about {gib:.3g} GiB) and the {f.device} "
-                "allocator refused them. Use a smaller mc_samples (the estimate's variance falls "
-                "as 1/mc_samples; the mean of several calls with fewer samples is the same "
-                "estimator), or a smaller batch"
-            ) from err
+        if noise is None:
+            # Held at once: the draws z and the vectors s = B z, [S, *logits.shape] each.
+            check_sample_memory(
+                "mc_samples", mc_samples, 2 * f.numel(), f,
+                "use a smaller mc_samples (the estimate's variance falls as 1/mc_samples; the "
+                "mean of several calls with fewer samples is the same estimator), or a smaller "
+                "batch",
+            )  # fmt: skip
+            shape = (mc_samples, *f.shape)
+            noise = torch.randint(0, 2, shape, generator=generator, device=f.device)
+            noise = noise.to(f.dtype) * 2 - 1
+        vectors = loss_fn.hessian_sqrt(f, targets, noise)
         totals: dict[str, Tensor] = {}
         expected: dict[str, Tensor] = {}  # Σ over draws of the batch gradients, whole-model path
         by_name = dict(zip(names, chosen, strict=True))
