@@ -32,6 +32,7 @@ import copy
 import json
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,6 +46,36 @@ from lsn_ext.exact import exact_ggn_diagonal
 from lsn_ext.models import UNet
 
 CLASSES = 3
+# Sizes of the full run and of --quick; a flag given on the command line overrides either.
+FULL = {"size": 24, "mc_samples": 16}
+QUICK = {"size": 8, "mc_samples": 4}
+
+
+def int_at_least(low: int, multiple: int = 1) -> Callable[[str], int]:
+    """An argparse type: an int ``>= low`` that is a multiple of ``multiple``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or value % multiple:
+            also = f" and a multiple of {multiple}" if multiple > 1 else ""
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}{also}, got {value}")
+        return value
+
+    return parse
+
+
+def fill_sizes(args: argparse.Namespace, full: dict, quick: dict) -> argparse.Namespace:
+    """The flags left out get ``--quick``'s sizes (with ``--quick``) or the full run's.
+
+    A flag given on the command line is kept: ``--quick`` never overrides it.
+    """
+    for name, value in (quick if args.quick else full).items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
 
 
 def with_backpack(net: nn.Module, x, y, extension, savefield: str) -> dict[str, torch.Tensor]:
@@ -83,21 +114,34 @@ def report(title: str, errors: dict[str, dict]) -> None:
         print(f"  {tensor:26s}{ratios}")
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run both parts; return the summary that is also written to ``summary.json``."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before anything runs; ``--quick`` fills only the flags left out."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--out", type=Path, default=Path("examples_out/backpack_quickstart"))
-    parser.add_argument("--size", type=int, default=24, help="image edge (a multiple of 4)")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--mc-samples", type=int, default=16, help="Monte-Carlo vectors")
+    parser.add_argument(
+        "--size",
+        type=int_at_least(4, 4),
+        default=argparse.SUPPRESS,
+        help=f"image edge, a multiple of 4 (default {FULL['size']}; --quick: {QUICK['size']})",
+    )
+    parser.add_argument("--batch", type=int_at_least(1), default=2)
+    parser.add_argument(
+        "--mc-samples",
+        type=int_at_least(1),
+        default=argparse.SUPPRESS,
+        help=f"Monte-Carlo vectors (default {FULL['mc_samples']}; --quick: {QUICK['mc_samples']})",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="8×8 images (for tests)")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.size, args.mc_samples = 8, 4
+    return fill_sizes(parser.parse_args(argv), FULL, QUICK)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run both parts; return the summary that is also written to ``summary.json``."""
+    args = parse_args(argv)
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(args.seed)
     warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)

@@ -26,6 +26,7 @@ import argparse
 import json
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -39,6 +40,36 @@ import lsn_ext
 from lsn_ext.models import UNet
 
 CLASSES = ("background", "disc", "square")
+# Sizes of the full run and of --quick; a flag given on the command line overrides either.
+FULL = {"size": 64, "train": 64, "test": 8, "widths": (8, 16, 32), "steps": 120, "samples": 30}
+QUICK = {"size": 32, "train": 16, "test": 4, "widths": (4, 8, 16), "steps": 10, "samples": 4}
+
+
+def int_at_least(low: int, multiple: int = 1) -> Callable[[str], int]:
+    """An argparse type: an int ``>= low`` that is a multiple of ``multiple``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or value % multiple:
+            also = f" and a multiple of {multiple}" if multiple > 1 else ""
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}{also}, got {value}")
+        return value
+
+    return parse
+
+
+def fill_sizes(args: argparse.Namespace, full: dict, quick: dict) -> argparse.Namespace:
+    """The flags left out get ``--quick``'s sizes (with ``--quick``) or the full run's.
+
+    A flag given on the command line is kept: ``--quick`` never overrides it.
+    """
+    for name, value in (quick if args.quick else full).items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
 
 
 def synthetic_images(n: int, size: int, generator: torch.Generator):
@@ -99,28 +130,52 @@ def figure(images, labels, maps, path: Path, rows: int) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the quick start; return the summary that is also written to ``summary.json``."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before anything runs; ``--quick`` fills only the flags left out."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+
+    def sized(flag: str, kind: Callable[[str], int], what: str, **kwargs) -> None:
+        """A flag whose default is FULL's or QUICK's entry, filled in by fill_sizes."""
+        name = flag[2:]
+        full, quick = (
+            " ".join(map(str, v)) if isinstance(v, tuple) else v for v in (FULL[name], QUICK[name])
+        )
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=argparse.SUPPRESS,
+            help=f"{what} (default {full}; --quick: {quick})",
+            **kwargs,
+        )
+
     parser.add_argument("--out", type=Path, default=Path("examples_out/laplace_quickstart"))
-    parser.add_argument("--size", type=int, default=64, help="image edge (a multiple of 4)")
-    parser.add_argument("--train", type=int, default=64, help="training images")
-    parser.add_argument("--test", type=int, default=8, help="held-out images")
-    parser.add_argument("--widths", type=int, nargs="+", default=(8, 16, 32))
-    parser.add_argument("--steps", type=int, default=120, help="training steps")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=30, help="posterior samples")
+    sized("--size", int_at_least(4), "image edge, divisible by 2**(levels - 1)")
+    sized("--train", int_at_least(1), "training images")
+    sized("--test", int_at_least(1), "held-out images")
+    sized("--widths", int_at_least(1), "U-Net widths, one per level", nargs="+")
+    sized("--steps", int_at_least(1), "training steps")
+    parser.add_argument("--batch", type=int_at_least(1), default=8)
+    sized("--samples", int_at_least(2), "posterior samples")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--quick", action="store_true", help="small images and few steps (for tests)"
     )
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.size, args.train, args.test, args.widths = 32, 16, 4, (4, 8, 16)
-        args.steps, args.samples = 10, 4
+    args = fill_sizes(parser.parse_args(argv), FULL, QUICK)
+    divisor = 2 ** (len(args.widths) - 1)
+    if args.size % divisor:
+        parser.error(
+            f"--size {args.size} must be divisible by 2**{len(args.widths) - 1} = {divisor} "
+            f"for a U-Net of {len(args.widths)} levels (--widths {' '.join(map(str, args.widths))})"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the quick start; return the summary that is also written to ``summary.json``."""
+    args = parse_args(argv)
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(args.seed)
     warnings.filterwarnings("ignore", category=UserWarning)  # laplace-torch's notes

@@ -33,6 +33,7 @@ import argparse
 import json
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import nibabel as nib
@@ -57,6 +58,52 @@ from monai.utils import set_determinism
 import lsn_ext
 
 KEYS = ("image", "label")
+# Sizes of the full run and of --quick; a flag given on the command line overrides either.
+FULL = {
+    "cases": 6,
+    "size": 40,
+    "crop": 32,
+    "test_size": (64, 48, 48),
+    "features": (8, 8, 16, 16, 32, 8),
+    "steps": 50,
+    "samples": 10,
+}
+QUICK = {
+    "cases": 2,
+    "size": 36,
+    "crop": 32,
+    "test_size": (32, 32, 48),
+    "features": (4, 4, 4, 8, 8, 4),
+    "steps": 4,
+    "samples": 4,
+}
+
+
+def int_at_least(low: int, multiple: int = 1) -> Callable[[str], int]:
+    """An argparse type: an int ``>= low`` that is a multiple of ``multiple``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or value % multiple:
+            also = f" and a multiple of {multiple}" if multiple > 1 else ""
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}{also}, got {value}")
+        return value
+
+    return parse
+
+
+def fill_sizes(args: argparse.Namespace, full: dict, quick: dict) -> argparse.Namespace:
+    """The flags left out get ``--quick``'s sizes (with ``--quick``) or the full run's.
+
+    A flag given on the command line is kept: ``--quick`` never overrides it.
+    """
+    for name, value in (quick if args.quick else full).items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
 
 
 def synthetic_case(shape: tuple[int, int, int], rng: np.random.Generator):
@@ -126,29 +173,52 @@ def boundary(label: torch.Tensor) -> torch.Tensor:
     return (dilated != eroded)[0, 0]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the pipeline; return the summary that is also written to ``summary.json``."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before anything runs; ``--quick`` fills only the flags left out."""
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+
+    def sized(flag: str, kind: Callable[[str], int], what: str, **kwargs) -> None:
+        """A flag whose default is FULL's or QUICK's entry, filled in by fill_sizes."""
+        name = flag[2:].replace("-", "_")
+        full, quick = (
+            " ".join(map(str, v)) if isinstance(v, tuple) else v for v in (FULL[name], QUICK[name])
+        )
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=argparse.SUPPRESS,
+            help=f"{what} (default {full}; --quick: {quick})",
+            **kwargs,
+        )
+
     parser.add_argument("--out", type=Path, default=Path("examples_out/monai_3d"))
-    parser.add_argument("--cases", type=int, default=6, help="training volumes")
-    parser.add_argument("--size", type=int, default=40, help="edge of the training volumes")
-    parser.add_argument("--crop", type=int, default=32, help="training crop = sliding window")
-    parser.add_argument("--test-size", type=int, nargs=3, default=(64, 48, 48))
-    parser.add_argument("--features", type=int, nargs=6, default=(8, 8, 16, 16, 32, 8))
-    parser.add_argument("--steps", type=int, default=50, help="training steps")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--samples", type=int, default=10, help="posterior samples")
+    sized("--cases", int_at_least(1), "training volumes")
+    sized("--size", int_at_least(1), "edge of the training volumes")
+    sized("--crop", int_at_least(1), "training crop = sliding window, at most --size")
+    sized("--test-size", int_at_least(1), "test volume D H W", nargs=3)
+    sized("--features", int_at_least(1), "BasicUNet features", nargs=6)
+    sized("--steps", int_at_least(1), "training steps")
+    parser.add_argument("--batch", type=int_at_least(1), default=2)
+    sized("--samples", int_at_least(2), "posterior samples")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--quick", action="store_true", help="tiny volumes and few steps (for tests)"
     )
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.cases, args.size, args.crop, args.test_size = 2, 36, 32, (32, 32, 48)
-        args.features, args.steps, args.samples = (4, 4, 4, 8, 8, 4), 4, 4
+    args = fill_sizes(parser.parse_args(argv), FULL, QUICK)
+    if args.crop > args.size:
+        parser.error(
+            f"--crop {args.crop} exceeds --size {args.size}: the training crops are cut from "
+            "the training volumes"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the pipeline; return the summary that is also written to ``summary.json``."""
+    args = parse_args(argv)
     torch.set_default_dtype(torch.float32)
     set_determinism(seed=args.seed)
     warnings.filterwarnings("ignore", category=UserWarning)  # laplace-torch's notes

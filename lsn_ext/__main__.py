@@ -6,6 +6,18 @@ import argparse
 import sys
 from pathlib import Path
 
+# Defaults of the demo's sizes; a flag left out gets its default, and --quick then reduces it
+# (lsn_ext.demo.quick_settings). A flag given with --quick must agree with what --quick runs.
+SIZES = {"epochs": 12, "samples": 50, "logit_samples": 20, "ensemble": 3, "rank": 10}
+# The DemoConfig field of each size flag, and what --quick does to it (for the refusal).
+QUICK_PHRASES = {
+    "epochs": ("epochs", "trains {} epoch"),
+    "samples": ("n_epistemic", "runs {} epistemic samples"),
+    "logit_samples": ("n_aleatoric", "runs {} aleatoric samples"),
+    "ensemble": ("ensemble", "trains {} ensemble members at most"),
+    "rank": ("rank", "uses rank {} at most"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the command; returns the exit code."""
@@ -22,11 +34,32 @@ def main(argv: list[str] | None = None) -> int:
         "IoU, Pixel Ratio, Box Ratio and entropy AUROC (LSN Table 2), and a figure of the maps.",
     )
     demo.add_argument("--out", type=Path, default=Path("lsn-ext-output"), help="output directory")
-    demo.add_argument("--epochs", type=int, default=12, help="training epochs per model")
+    sized = {"default": argparse.SUPPRESS}  # filled from SIZES after parsing
+    demo.add_argument(
+        "--epochs",
+        type=int,
+        help=f"training epochs per model (default: {SIZES['epochs']})",
+        **sized,
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed of data order and weights")
-    demo.add_argument("--samples", type=int, default=50, help="epistemic samples (paper: 50)")
-    demo.add_argument("--logit-samples", type=int, default=20, help="aleatoric (paper: 20)")
-    demo.add_argument("--ensemble", type=int, default=3, help="ensemble members (0: none)")
+    demo.add_argument(
+        "--samples",
+        type=int,
+        help=f"epistemic samples, paper: 50 (default: {SIZES['samples']})",
+        **sized,
+    )
+    demo.add_argument(
+        "--logit-samples",
+        type=int,
+        help=f"aleatoric, paper: 20 (default: {SIZES['logit_samples']})",
+        **sized,
+    )
+    demo.add_argument(
+        "--ensemble",
+        type=int,
+        help=f"ensemble members, 0: none (default: {SIZES['ensemble']})",
+        **sized,
+    )
     demo.add_argument(
         "--estimator",
         choices=("db", "db_calibrated", "mc"),
@@ -43,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument(
         "--rank",
         type=int,
-        default=10,
-        help="SSN covariance rank (paper: 10; 0: the '(diag)' models, object-marking aleatoric)",
+        help="SSN covariance rank, paper: 10; 0: the '(diag)' models, object-marking aleatoric "
+        f"(default: {SIZES['rank']})",
+        **sized,
     )
     demo.add_argument(
         "--ssn-loss",
@@ -52,15 +86,23 @@ def main(argv: list[str] | None = None) -> int:
         default="expected",
         help="SSN training loss: the per-pixel expected BCE or LSN Eq. 11",
     )
-    demo.add_argument("--quick", action="store_true", help="tiny run (seconds), for tests")
+    demo.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny run (seconds), for tests: 1 epoch, 3 epistemic and 3 aleatoric samples, "
+        "rank and ensemble at most 2",
+    )
     demo.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (0: torch's default)"
     )
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from lsn_ext.demo import DemoConfig, run_demo
+        from lsn_ext.demo import DemoConfig, quick_settings, run_demo
 
+        given = {name for name in SIZES if hasattr(args, name)}
+        for name in SIZES.keys() - given:
+            setattr(args, name, SIZES[name])
         if (
             args.epochs < 1
             or args.samples < 2
@@ -80,27 +122,35 @@ def main(argv: list[str] | None = None) -> int:
                 f"--mc-samples {args.mc_samples} has no effect with --estimator db (it draws no "
                 "vectors); use --estimator mc or db_calibrated, or leave --mc-samples out"
             )
+        config = DemoConfig(
+            out=args.out,
+            epochs=args.epochs,
+            seed=args.seed,
+            quick=args.quick,
+            n_epistemic=args.samples,
+            n_aleatoric=args.logit_samples,
+            ensemble=args.ensemble,
+            progress=not args.no_progress,
+            threads=args.threads or None,
+            estimator=args.estimator,
+            mc_samples=args.mc_samples,
+            prior=args.prior,
+            rank=args.rank,
+            ssn_loss=args.ssn_loss,
+        )
+        quick = quick_settings(config) if args.quick else {}
+        for name in sorted(given):
+            field, phrase = QUICK_PHRASES[name]
+            if field in quick and quick[field] != getattr(config, field):
+                flag = "--" + name.replace("_", "-")
+                parser.error(
+                    f"--quick {phrase.format(quick[field])}, not {flag} {getattr(args, name)}: "
+                    f"leave {flag} out with --quick, or drop --quick for a full run"
+                )
         unwritable = _unwritable(args.out)
         if unwritable:
             parser.error(f"cannot write to --out {args.out}: {unwritable}")
-        return run_demo(
-            DemoConfig(
-                out=args.out,
-                epochs=args.epochs,
-                seed=args.seed,
-                quick=args.quick,
-                n_epistemic=args.samples,
-                n_aleatoric=args.logit_samples,
-                ensemble=args.ensemble,
-                progress=not args.no_progress,
-                threads=args.threads or None,
-                estimator=args.estimator,
-                mc_samples=args.mc_samples,
-                prior=args.prior,
-                rank=args.rank,
-                ssn_loss=args.ssn_loss,
-            )
-        )
+        return run_demo(config)
     return 2
 
 

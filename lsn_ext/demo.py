@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -405,10 +405,26 @@ def run_demo(config: DemoConfig | None = None) -> int:
         torch.set_num_threads(threads)
 
 
+def quick_settings(cfg: DemoConfig) -> dict[str, Any]:
+    """The settings a ``quick`` run replaces, and their values.
+
+    One epoch, widths 4-8, rank and ensemble at most 2, 3 epistemic and 3 aleatoric samples.
+    The command line refuses a flag given with ``--quick`` that these would change.
+    """
+    return {
+        "epochs": min(cfg.epochs, 1),
+        "widths": (4, 8),
+        "rank": min(cfg.rank, 2),
+        "n_epistemic": 3,
+        "n_aleatoric": 3,
+        "ensemble": min(cfg.ensemble, 2),
+    }
+
+
 def _run(cfg: DemoConfig) -> int:
     if cfg.quick:
-        cfg.epochs, cfg.widths, cfg.rank = min(cfg.epochs, 1), (4, 8), min(cfg.rank, 2)
-        cfg.n_epistemic, cfg.n_aleatoric, cfg.ensemble = 3, 3, min(cfg.ensemble, 2)
+        for name, value in quick_settings(cfg).items():
+            setattr(cfg, name, value)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
