@@ -407,8 +407,9 @@ def write_report(cache: ub.ConvergedCache, datasets: list[str], seeds: list[int]
             ["part", "summed wall min, all units"],
             [[k, f"{v:.1f}"] for k, v in timing.items()],
         )
-        + "\n\nWall-clock time per unit, one torch thread, one unit at a time (training as "
-        "recorded when the network was trained)."
+        + "\n\nWall-clock time summed over the units, one torch thread, one unit at a time, "
+        "on a machine shared with other jobs (training as recorded when the network was "
+        "trained): a rough cost, not a benchmark."
     )
     text = "\n\n".join([*head, *body, cost]) + "\n"
     out.mkdir(parents=True, exist_ok=True)
