@@ -6,8 +6,9 @@ for images, the mean entropy within the dilated predicted foreground (``*_fg``),
 shift. Its caches are not committed; its per-seed values are (``uncertainty_per_seed.csv``). This
 script computes, from that CSV alone and with :mod:`stats`, the per-seed differences
 ``method − reference`` (mean ± 95 % t-interval over the seeds, and k/n = better on k of n seeds)
-against the MAP entropy, the ensemble and U-Net + LA (``nn``) for those measures, and writes ``integration/results/uncertainty_paired.md``. No interval over
-test images: the per-image values are in the uncached results only.
+against the MAP entropy, the ensemble and U-Net + LA (``nn``) for those measures, and writes
+``integration/results/uncertainty_paired.md``. No interval over test images: the per-image
+values are in the uncached results only.
 
 Run: ``python integration/uncertainty_paired.py``.
 """
