@@ -447,11 +447,14 @@ class _Owner:
         """
         return _Bare(self.module)
 
-    def sample_grads(self, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+    def sample_grads(self, x: Tensor, g: Tensor, out: Tensor | None = None) -> dict[str, Tensor]:
         """``J_nᵀ g_n`` w.r.t. this module's parameters, per sample: ``{name: [N, *shape]}``.
 
         Plain convolutions and ``nn.Linear`` take their weight gradients directly
-        (:func:`_direct_sample_grads`); other modules are replayed per sample.
+        (:func:`_direct_sample_grads`); other modules are replayed per sample, and the replayed
+        outputs must equal ``out``, the module's output in the batched forward pass (where
+        given: a module whose forward depends on the batch without a gradient path, such as a
+        branch on ``x.mean()``, fails here instead of giving a wrong estimate).
         """
         if self.direct:
             direct = _direct_sample_grads(self.module, self.names, x, g)
@@ -460,7 +463,7 @@ class _Owner:
             self.direct = False
         params = {f"m.{n}": getattr(self.module, n).detach() for n in self.names}
 
-        def one(x_n: Tensor, g_n: Tensor) -> dict[str, Tensor]:
+        def one(x_n: Tensor, g_n: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
             x_n, g_n = x_n.unsqueeze(0), g_n.unsqueeze(0)
             if self.paired:
                 x_n, g_n = torch.cat([x_n, x_n]), torch.cat([g_n, torch.zeros_like(g_n)])
@@ -468,14 +471,18 @@ class _Owner:
             def f(p: dict[str, Tensor]) -> Tensor:
                 return functional_call(self.bare, p, (x_n,))
 
-            return vjp(f, params)[1](g_n)[0]
+            y, pull = vjp(f, params)
+            return y[0], pull(g_n)[0]
 
         # Some kernels refuse non-contiguous gradients (a permuted output: "grad_weight needs to
         # be contiguous" in transposed convolutions after a rearrange).
         x, g = x.contiguous(), g.contiguous()
-        return {k[2:]: _own(v, x, g) for k, v in _map(one, x, g).items()}
+        y, grads = _map(one, x, g)
+        if out is not None:
+            _check_replay(y, out, f"the module {self.describe()}")
+        return {k[2:]: _own(v, x, g) for k, v in grads.items()}
 
-    def sample_squares(self, x: Tensor, g: Tensor) -> dict[str, Tensor]:
+    def sample_squares(self, x: Tensor, g: Tensor, out: Tensor | None = None) -> dict[str, Tensor]:
         """``Σ_n (J_nᵀ g_n)²`` w.r.t. this module's parameters: ``{name: shape}``.
 
         A leaf's share of one draw where nothing else adds to its per-sample gradients (see
@@ -487,7 +494,7 @@ class _Owner:
             if direct is not None:
                 return direct
             self.direct = False
-        return {k: _square_sum(v) for k, v in self.sample_grads(x, g).items()}
+        return {k: _square_sum(v) for k, v in self.sample_grads(x, g, out).items()}
 
     def block_grads(self, x: Tensor, g: Tensor, out: Tensor) -> dict[str, Tensor]:
         """As :meth:`sample_grads` for a block, replayed whole per sample (chunked).
@@ -537,6 +544,11 @@ class _Owner:
     def how(self) -> str:
         """The entry of ``mc_paths`` for this owner's parameters."""
         return f"block '{self.path}'" if self.block else _BY_MODULE
+
+
+def _unchanged(t: Tensor, version: int) -> Tensor | None:
+    """``t`` where no in-place operation changed it since its version was ``version``."""
+    return t if t._version == version else None
 
 
 def _own(t: Tensor, *inputs: Tensor) -> Tensor:
@@ -1108,16 +1120,19 @@ def _run(
             call = (owner.path, owner.calls)
             calls.append((*call, entry))
             owner.calls += 1
-            y = out.detach() if owner.block else None
+            # The batched output, for the replays to reproduce (a leaf's only while unchanged:
+            # an in-place operation after the module, ReLU(inplace=True), changes it).
+            y = out.detach()
+            version = y._version
 
             def arrived(g: Tensor) -> None:
                 fired.add(call)
                 if owner.alone and owner.calls == 1:
-                    owner.squares = owner.sample_squares(x, g)
+                    owner.squares = owner.sample_squares(x, g, _unchanged(y, version))
                 elif owner.block:
                     owner.add(owner.block_grads(x, g, y))
                 else:
-                    owner.add(owner.sample_grads(x, g))
+                    owner.add(owner.sample_grads(x, g, _unchanged(y, version)))
 
             taps.append(tapped.register_hook(arrived))
             return tapped if tapped is not out else None

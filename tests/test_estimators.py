@@ -226,8 +226,8 @@ def test_mc_serves_a_capture_lost_in_the_first_draw_through_the_whole_model(faul
         if self.path != "0":
             real_add(self, grads)
 
-    def halved(self, x, g):
-        grads = real_grads(self, x, g)
+    def halved(self, x, g, *out):
+        grads = real_grads(self, x, g, *out)
         return {k: v / 2 for k, v in grads.items()} if self.path == "0" else grads
 
     if fault == "hook-never-fires":
@@ -252,9 +252,9 @@ def test_mc_refuses_a_capture_lost_after_the_first_draw(monkeypatch):
     real = lsn_ext.estimators._Owner.sample_grads
     calls = []
 
-    def halved_later(self, x, g):
+    def halved_later(self, x, g, *out):
         calls.append(self.path)
-        grads = real(self, x, g)
+        grads = real(self, x, g, *out)
         return {k: v / 2 for k, v in grads.items()} if len(calls) > 3 else grads
 
     monkeypatch.setattr(lsn_ext.estimators._Owner, "sample_grads", halved_later)
@@ -708,9 +708,9 @@ def test_calls_after_the_verified_one_square_alone_and_repeat_its_numbers(conv_k
 
     real, squared = estimators._Owner.sample_squares, []
 
-    def counted(self, x, g):
+    def counted(self, x, g, *out):
         squared.append(self.path)
-        return real(self, x, g)
+        return real(self, x, g, *out)
 
     monkeypatch.setattr(estimators._Owner, "sample_squares", counted)
     conv = nn.Conv2d(4, 64, 3, padding=1)  # 2,304 weights per sample: stacked
@@ -740,9 +740,9 @@ def test_a_module_called_twice_sums_its_calls_before_squaring_after_the_verified
 
     real, squared = estimators._Owner.sample_squares, []
 
-    def counted(self, x, g):
+    def counted(self, x, g, *out):
         squared.append(self.path)
-        return real(self, x, g)
+        return real(self, x, g, *out)
 
     monkeypatch.setattr(estimators._Owner, "sample_squares", counted)
     model = _TiedTwice().double()

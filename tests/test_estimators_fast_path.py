@@ -373,6 +373,32 @@ def test_a_change_to_parameters_or_forward_after_the_first_call(change):
     _assert_matches_fresh(model, x, y)
 
 
+class _BatchBranchScale(nn.Module):
+    """A leaf whose forward branches on the whole batch's mean (no gradient path to see it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([0.7, 1.3]).reshape(1, 2, 1, 1))
+
+    def forward(self, x):
+        return self.scale * x * (3.0 if x.mean() > 0 else 1.0)
+
+
+def test_a_leaf_that_branches_on_the_batch_is_refused_when_the_branch_turns():
+    # The first batch takes one branch in the batch and in every sample's replay alike; the
+    # second takes the other in the batch but not in the negative samples' replays, whose
+    # per-sample gradients were then a third of the right ones, silently.
+    model = nn.Sequential(_BatchBranchScale(), nn.Conv2d(2, 2, 3, padding=1), nn.Conv2d(2, 1, 1))
+    x1, y1 = _batch(sign=-1.0)
+    _mc(model, x1, y1, 1)
+    x2 = torch.cat([x1[:1], torch.randn(2, 2, 5, 5) + 3.0])  # batch mean > 0, sample 0's < 0
+    assert x2.mean() > 0 > x2[0].mean()
+    err = _assert_matches_fresh(model, x2, y1, numbers=False)
+    assert isinstance(err, NotImplementedError)
+    assert "'0' (_BatchBranchScale)" in str(err)
+    assert "does not treat the samples independently" in str(err)
+
+
 def test_a_batch_size_change_between_calls():
     model = _Net()
     _mc(model, *_batch(3), 1)
