@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lsn_ext
 from lsn_ext.exact import exact_ggn_diagonal
+from tests.test_estimators import _randomised
 
 
 @pytest.fixture(autouse=True)
@@ -484,16 +485,6 @@ def _spec(seed: int) -> _Spec:
         target=rng.randrange(depth if swap else depth + 1),
         loss=rng.choice(("bce", "ce")),
     )
-
-
-def _randomised(module: nn.Module) -> nn.Module:
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn_like(p))
-        if getattr(module, "running_mean", None) is not None:
-            module.running_mean.copy_(torch.randn_like(module.running_mean))
-            module.running_var.copy_(torch.rand_like(module.running_var) + 0.5)
-    return module
 
 
 class _RandomNet(nn.Module):
