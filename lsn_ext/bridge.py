@@ -721,11 +721,11 @@ def bridge_predictive(
         The :class:`BridgeDirichlet` (``probs``/``alpha`` in the logits' layout, ``[N, K, *]``).
     """
     from lsn_ext.forward import linearized_variance
-    from lsn_ext.laplace_ext import _check_fitted, _link, _trainable, predict
+    from lsn_ext.laplace_ext import check_fitted, link_of, predict, trainable_params
 
-    _check_fitted(la)
-    _trainable(la)  # a parameter frozen or unfrozen since the fit is named
-    link = _link(la)
+    check_fitted(la)
+    trainable_params(la)  # a parameter frozen or unfrozen since the fit is named
+    link = link_of(la)
     if link == "identity":
         raise ValueError("the Laplace Bridge needs a classification likelihood, not regression")
     if variance not in ("linearized", "mc"):

@@ -145,17 +145,17 @@ def diag_backprop(
     if ce_first_step not in ("exact", "diag"):
         raise ValueError(f"ce_first_step must be 'exact' or 'diag', got {ce_first_step!r}")
     named_params = list(model.named_parameters())
-    names, chosen = _select_params(model, params, named_params)
+    names, chosen = select_params(model, params, named_params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    _check_inputs(model, args, named_params)
+    check_inputs(model, args, named_params)
 
-    session = _Session(model)
+    session = Session(model)
     with torch.enable_grad(), session:
         logits = model(*args)
     check_logits(logits)
     session.check_graph(logits, args)
     f = logits.detach()
-    _check_finite_logits(f)
+    check_finite_logits(f)
     value = loss_fn.value(f, targets)
     # DB is linear in m. Squared derivatives shrink m quickly (saturated tanh: (1 − y²)² below
     # 1e-38), and float32 subnormals are ~10× slower on CPUs; a power-of-two scale keeps m in the
@@ -184,11 +184,11 @@ def diag_backprop(
         n: torch.zeros_like(p) if g is None else next(unscaled)
         for n, p, g in zip(names, chosen, grads, strict=True)
     }
-    _check_db_diagonals(diagonals)
+    check_db_diagonals(diagonals)
     return DiagBackpropResult(loss=value.detach(), logits=f, diagonals=diagonals)
 
 
-def _check_inputs(
+def check_inputs(
     model: nn.Module,
     args: Sequence[Any],
     named_params: Sequence[tuple[str, Tensor]] | None = None,
@@ -197,7 +197,7 @@ def _check_inputs(
 
     A single NaN pixel or weight would otherwise make every entry of the curvature NaN (or,
     for a NaN that is masked downstream, silently wrong). The weights and inputs are checked
-    together with one host synchronisation (see :func:`_finite`). ``named_params`` is
+    together with one host synchronisation (see :func:`all_finite`). ``named_params`` is
     ``model.named_parameters()`` where the caller has it already.
 
     Raises:
@@ -235,7 +235,7 @@ def _check_inputs(
                 f"input {i} has an empty batch (shape {tuple(x.shape)}); pass at least one sample"
             )
     numeric = [(i, x) for i, x in inputs if x.is_floating_point() or x.is_complex()]
-    finite = _finite([p for _, p in floating] + [x for _, x in numeric])
+    finite = all_finite([p for _, p in floating] + [x for _, x in numeric])
     for (name, p), ok in zip(floating, finite[: len(floating)], strict=True):
         if not ok:
             bad = int((~torch.isfinite(p)).sum())
@@ -259,9 +259,9 @@ def _takes_indices(model: nn.Module) -> bool:
     return any(isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for m in model.modules())
 
 
-def _check_finite_logits(f: Tensor) -> None:
+def check_finite_logits(f: Tensor) -> None:
     """Raise ``FloatingPointError`` when the model output has non-finite entries."""
-    if not _finite([f])[0]:
+    if not all_finite([f])[0]:
         bad = ~torch.isfinite(f)
         where = tuple(int(j) for j in bad.nonzero()[0])
         raise FloatingPointError(
@@ -285,7 +285,7 @@ def _to_host(values: list[Tensor]) -> list:
     return torch.stack([v.to(device, dtype) for v in values]).tolist()
 
 
-def _finite(tensors: list[Tensor]) -> list[bool]:
+def all_finite(tensors: list[Tensor]) -> list[bool]:
     """Per tensor, whether all its entries are finite, with one host synchronisation.
 
     One pass per tensor: its sum is non-finite if an entry is (NaN and ±inf propagate), so a
@@ -298,9 +298,9 @@ def _finite(tensors: list[Tensor]) -> list[bool]:
     return [ok or bool(torch.isfinite(t).all()) for t, ok in zip(tensors, flags, strict=True)]
 
 
-def _check_finite_result(diagonals: dict[str, Tensor], dtype: torch.dtype, what: str) -> None:
+def check_finite_result(diagonals: dict[str, Tensor], dtype: torch.dtype, what: str) -> None:
     """Raise ``FloatingPointError`` naming the first parameter whose diagonal is not finite."""
-    finite = _finite(list(diagonals.values()))
+    finite = all_finite(list(diagonals.values()))
     for name, ok in zip(diagonals, finite, strict=True):
         if not ok:
             raise FloatingPointError(
@@ -309,7 +309,7 @@ def _check_finite_result(diagonals: dict[str, Tensor], dtype: torch.dtype, what:
             )
 
 
-def _round_off(t: Tensor) -> float:
+def round_off(t: Tensor) -> float:
     """The relative rounding of arithmetic on ``t``: its dtype's ``eps``, or TF32's ``2⁻¹⁰``.
 
     On CUDA, float32 convolutions (and matrix products, where enabled) round their inputs to
@@ -325,17 +325,17 @@ def _round_off(t: Tensor) -> float:
     return eps
 
 
-def _sum_tolerance(u: float) -> float:
+def sum_tolerance(u: float) -> float:
     """Relative tolerance for two sums of the same terms in a different order, at rounding ``u``.
 
-    ``u`` is :func:`_round_off` of the sums. ``10³ u`` in float64 and float32 (many terms,
+    ``u`` is :func:`round_off` of the sums. ``10³ u`` in float64 and float32 (many terms,
     cancellation); ``16 u`` where ``u`` is that of TF32 or a half type, whose ``10³ u`` would be
     no check at all.
     """
     return 1e3 * u if u <= torch.finfo(torch.float32).eps else 16 * u
 
 
-def _check_db_diagonals(diagonals: dict[str, Tensor]) -> None:
+def check_db_diagonals(diagonals: dict[str, Tensor]) -> None:
     """Raise if a DB diagonal is not finite or has negative entries, naming the parameter.
 
     One ``aminmax`` per tensor and one host synchronisation for all: ``min`` and ``max`` are
@@ -356,7 +356,7 @@ def _check_db_diagonals(diagonals: dict[str, Tensor]) -> None:
                 f"the DB diagonal of '{name}' is not finite (overflow in {d.dtype}); check the "
                 "inputs and weights for extreme values, or compute in float64"
             )
-        if lo < -64 * _round_off(d) * max(hi, -lo):
+        if lo < -64 * round_off(d) * max(hi, -lo):
             raise RuntimeError(
                 f"the DB diagonal of '{name}' has negative entries (smallest {lo:.3g}): a GGN "
                 "diagonal is non-negative, so an operation in forward was propagated with its "
@@ -394,7 +394,7 @@ def check_logits(logits: Any) -> None:
         raise ValueError("the model output does not depend on any parameter that requires grad")
 
 
-def _select_params(
+def select_params(
     model: nn.Module,
     params: Sequence[Tensor] | None,
     named_params: Sequence[tuple[str, Tensor]] | None = None,
@@ -421,7 +421,7 @@ def _select_params(
 
 
 class _Blocks:
-    """The loss Hessian's block for the head calls of one DB pass (see ``_Session.head_indices``).
+    """The loss Hessian's block for the head calls of one DB pass (see ``Session.head_indices``).
 
     Rule nodes reach it through their :class:`_Call`; it holds no reference to the session or
     to the graph, so the graph never takes part in a reference cycle (Python's garbage collector
@@ -600,7 +600,7 @@ class _ProductFunction(torch.autograd.Function):
             return product_forward_rule(v_a, v_b, a, b)
 
 
-class _Session(TorchFunctionMode):
+class Session(TorchFunctionMode):
     """State of one DB forward pass: installs and removes everything on ``model``."""
 
     def __init__(self, model: nn.Module, *, forward_mode: bool = False):
@@ -618,10 +618,10 @@ class _Session(TorchFunctionMode):
 
     def __enter__(self):
         try:
-            modules = _modules(self.model)
+            modules = all_modules(self.model)
             register_adapters_for(modules)
             for module in modules:
-                if _is_parametrized(module):
+                if is_parametrized(module):
                     raise NotImplementedError(_parametrized_message(self.describe(module), module))
                 rule = RULES.get(type(module))
                 if rule is None:
@@ -680,7 +680,7 @@ class _Session(TorchFunctionMode):
             x = args[0]
             # The rule describes everything the module computes: the session's mode has nothing
             # to inspect in it, and each tensor attribute it would route costs a Python call.
-            with _ModeAside(self):
+            with ModeAside(self):
                 params = [module._parameters[n] for n in own]
                 if x.requires_grad or any(p.requires_grad for p in params):
                     return self.apply_rule(module, rule, x, run_original, own, params, flags)
@@ -930,7 +930,7 @@ class _Session(TorchFunctionMode):
         )
 
 
-class _ModeAside:
+class ModeAside:
     """Context: ``mode`` off the torch-function mode stack, if on top, while our own code runs.
 
     For code of the library's own (a rule node, a hook) inside a forward pass under a mode that
@@ -964,7 +964,7 @@ def _identity_functions() -> tuple[type, ...]:
     return (hook,) if hook is not None else ()
 
 
-def _modules(model: nn.Module) -> list[nn.Module]:
+def all_modules(model: nn.Module) -> list[nn.Module]:
     """``list(model.modules())``: each module once, in pre-order.
 
     Without the nested generators of ``named_modules``, which cost about 1 µs per module and
@@ -983,7 +983,7 @@ def _modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _is_parametrized(module: nn.Module) -> bool:
+def is_parametrized(module: nn.Module) -> bool:
     """``parametrize.is_parametrized`` without its ``getattr`` (an exception per plain module)."""
     holder = module._modules.get("parametrizations")
     return isinstance(holder, nn.ModuleDict) and parametrize.is_parametrized(module)
@@ -1042,7 +1042,7 @@ def _needs_grad(tree: Any) -> bool:
     return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(tree))
 
 
-def _bind(args: tuple, kwargs: dict, spec: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+def bind_arguments(args: tuple, kwargs: dict, spec: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """Bind ``(input, *rest)`` to ``spec``'s names with defaults."""
     bound = {"input": args[0] if args else kwargs["input"]}
     for (name, default), value in itertools.zip_longest(spec, args[1:], fillvalue=_MISSING):
@@ -1079,9 +1079,9 @@ _ACTIVATIONS: dict[str, tuple[tuple[tuple[str, Any], ...], Callable[..., nn.Modu
 }
 
 
-def _activation(session: _Session, func, args, kwargs) -> Tensor:
+def _activation(session: Session, func, args, kwargs) -> Tensor:
     spec, factory = _ACTIVATIONS[func.__name__]
-    bound = _bind(args, kwargs, spec)
+    bound = bind_arguments(args, kwargs, spec)
     module = factory(**{k: v for k, v in bound.items() if k != "input"})
     return session.apply_rule(module, RULES[type(module)], bound["input"], module)
 
@@ -1096,16 +1096,16 @@ _POOL_SPEC = (
 )
 
 
-def _avg_pool(session: _Session, func, args, kwargs) -> Tensor:
+def _avg_pool(session: Session, func, args, kwargs) -> Tensor:
     dims = int(func.__name__[-2])
-    bound = _bind(args, kwargs, _POOL_SPEC[: 5 if dims == 1 else 6])
+    bound = bind_arguments(args, kwargs, _POOL_SPEC[: 5 if dims == 1 else 6])
     x = bound.pop("input")
     module = getattr(nn, f"AvgPool{dims}d")(**bound)
     return session.apply_rule(module, AvgPoolRule(), x, module)
 
 
-def _adaptive_avg_pool(session: _Session, func, args, kwargs) -> Tensor:
-    bound = _bind(args, kwargs, (("output_size", None),))
+def _adaptive_avg_pool(session: Session, func, args, kwargs) -> Tensor:
+    bound = bind_arguments(args, kwargs, (("output_size", None),))
     x, size = bound["input"], bound["output_size"]
     dims = int(func.__name__[-2])
     sizes = [size] * dims if isinstance(size, int) else list(size)
@@ -1126,8 +1126,8 @@ _INTERPOLATE_SPEC = (
 )
 
 
-def _interpolate(session: _Session, func, args, kwargs) -> Tensor:
-    bound = _bind(args, kwargs, _INTERPOLATE_SPEC)
+def _interpolate(session: Session, func, args, kwargs) -> Tensor:
+    bound = bind_arguments(args, kwargs, _INTERPOLATE_SPEC)
     if bound["mode"] in ("nearest", "nearest-exact"):
         return func(*args, **kwargs)
     if bound["antialias"]:
@@ -1142,8 +1142,8 @@ def _interpolate(session: _Session, func, args, kwargs) -> Tensor:
     return session.apply_rule(module, UpsampleRule(), bound["input"], module)
 
 
-def _dropout(session: _Session, func, args, kwargs) -> Tensor:
-    bound = _bind(args, kwargs, (("p", 0.5), ("training", True), ("inplace", False)))
+def _dropout(session: Session, func, args, kwargs) -> Tensor:
+    bound = bind_arguments(args, kwargs, (("p", 0.5), ("training", True), ("inplace", False)))
     if bound["training"] and bound["p"] > 0:
         raise session.unsupported(
             func.__name__,
@@ -1153,7 +1153,7 @@ def _dropout(session: _Session, func, args, kwargs) -> Tensor:
     return func(*args, **kwargs)
 
 
-def _scale(session: _Session, x: Tensor, c: Tensor | float, compute: Callable[[], Tensor]):
+def _scale(session: Session, x: Tensor, c: Tensor | float, compute: Callable[[], Tensor]):
     if isinstance(c, Tensor) and c.requires_grad:
         raise session.unsupported("mul", "Both factors of a product depend on parameters.")
     return _ScaleFunction.apply(x, c.detach() if isinstance(c, Tensor) else c, compute)
@@ -1163,7 +1163,7 @@ def _grad_tensor(t: Any) -> bool:
     return isinstance(t, Tensor) and t.requires_grad
 
 
-def _mul(session: _Session, func, args, kwargs) -> Tensor:
+def _mul(session: Session, func, args, kwargs) -> Tensor:
     a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
     if _grad_tensor(a) and _grad_tensor(b):
         if _inplace(func.__name__):
@@ -1178,7 +1178,7 @@ def _mul(session: _Session, func, args, kwargs) -> Tensor:
     return _scale(session, x, c, lambda: func(*args, **kwargs))
 
 
-def _div(session: _Session, func, args, kwargs) -> Tensor:
+def _div(session: Session, func, args, kwargs) -> Tensor:
     a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
     if _inplace(func.__name__) or kwargs.get("rounding_mode") is not None:
         raise session.unsupported(func.__name__, "Write x = x / c (true division).")
@@ -1187,13 +1187,13 @@ def _div(session: _Session, func, args, kwargs) -> Tensor:
     return _scale(session, a, 1.0 / b, lambda: func(*args, **kwargs))
 
 
-def _neg(session: _Session, func, args, kwargs) -> Tensor:
+def _neg(session: Session, func, args, kwargs) -> Tensor:
     if _inplace(func.__name__):
         raise session.unsupported(func.__name__, "Write x = -x instead.")
     return _scale(session, args[0], -1.0, lambda: func(*args, **kwargs))
 
 
-def _sub(session: _Session, func, args, kwargs) -> Tensor:
+def _sub(session: Session, func, args, kwargs) -> Tensor:
     a, b = args[0], args[1] if len(args) > 1 else kwargs["other"]
     alpha = kwargs.get("alpha", 1)
     if func.__name__ in ("rsub", "__rsub__"):
@@ -1206,7 +1206,7 @@ def _sub(session: _Session, func, args, kwargs) -> Tensor:
     return torch.add(neg_b, a)
 
 
-def _add(session: _Session, func, args, kwargs) -> Tensor:
+def _add(session: Session, func, args, kwargs) -> Tensor:
     alpha = kwargs.get("alpha", 1)
     if alpha == 1:
         return func(*args, **kwargs)
@@ -1216,7 +1216,7 @@ def _add(session: _Session, func, args, kwargs) -> Tensor:
     return torch.add(a, _scale(session, b, alpha, lambda: b * alpha))
 
 
-def _mean(session: _Session, func, args, kwargs) -> Tensor:
+def _mean(session: Session, func, args, kwargs) -> Tensor:
     x = args[0]
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)

@@ -81,18 +81,18 @@ from lsn_ext._kernels import choose, timing_applies
 from lsn_ext._memory import check_sample_memory
 from lsn_ext.engine import (
     DiagBackpropResult,
-    _bind,
-    _check_finite_logits,
-    _check_finite_result,
-    _check_inputs,
-    _is_parametrized,
-    _ModeAside,
-    _modules,
-    _round_off,
-    _select_params,
-    _sum_tolerance,
+    ModeAside,
+    all_modules,
+    bind_arguments,
+    check_finite_logits,
+    check_finite_result,
+    check_inputs,
     check_logits,
     diag_backprop,
+    is_parametrized,
+    round_off,
+    select_params,
+    sum_tolerance,
 )
 from lsn_ext.rules import RULES, Rule, register_adapters_for
 from lsn_ext.rules.losses import Loss, as_loss
@@ -658,7 +658,7 @@ def _check_replay(replayed: Tensor, batched: Tensor, what: str) -> None:
             f"batched forward gave {tuple(batched.shape)}: its forward does not treat the "
             "samples of dim 0 independently"
         )
-    eps = _round_off(batched)
+    eps = round_off(batched)
     scale = float(batched.abs().max()) if batched.numel() else 0.0
     err = float((replayed - batched).abs().max()) if batched.numel() else 0.0
     if not err <= math.sqrt(eps) * (1.0 + scale):
@@ -710,13 +710,13 @@ def _gather(
             continue
         scale = max(float(got.abs().sum(0).max()), float(expected.abs().max()))
         err = float((got.sum(0) - expected).abs().max())
-        eps = _round_off(expected)
+        eps = round_off(expected)
         if scale <= math.sqrt(eps) * floor:
             # Gradients at round-off level, e.g. zero in exact arithmetic but amplified noise
             # (GroupNorm over one value per group: x̂ = 0 up to rounding / √eps_gn). Whatever
             # the capture did, their squares are below eps of the draw's largest: no check.
             continue
-        tol = _sum_tolerance(eps)
+        tol = sum_tolerance(eps)
         if not err <= max(tol, 1e-9) * scale + tol * floor:
             lost[name] = f"they sum to a different gradient ({err:.3g} off at {scale:.3g})"
     return per_sample, lost
@@ -768,7 +768,9 @@ class _RandomOpGuard(TorchFunctionMode):
                     self.uses[id(a)] += 1
         name = getattr(func, "__name__", None)
         if name in _DROPOUT and torch.is_grad_enabled():
-            bound = _bind(args, kwargs, (("p", 0.5), ("training", True), ("inplace", False)))
+            bound = bind_arguments(
+                args, kwargs, (("p", 0.5), ("training", True), ("inplace", False))
+            )
             if bound["training"] and bound["p"] > 0:
                 module = _current_module(self.model)
                 where = "the model" if module is None else f"{_describe(self.model, module)}"
@@ -918,10 +920,10 @@ def _monte_carlo(
     Inputs that cannot carry a gradient (integer tensors) keep every call verified.
     """
     named_params = list(model.named_parameters())
-    names, chosen = _select_params(model, params, named_params)
+    names, chosen = select_params(model, params, named_params)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    _check_inputs(model, args, named_params)
-    modules = _modules(model)
+    check_inputs(model, args, named_params)
+    modules = all_modules(model)
     register_adapters_for(modules)
     signature = _signature(args, names)
     state = fingerprint(modules)
@@ -1089,7 +1091,7 @@ def _run(
 
     def capture(owner: _Owner):
         def hook(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
-            with _ModeAside(guard):  # the capture's own code: nothing for the guard to inspect
+            with ModeAside(guard):  # the capture's own code: nothing for the guard to inspect
                 return tap(module, args, kwargs, out)
 
         def tap(module: nn.Module, args: tuple, kwargs: dict, out: Any) -> Tensor | None:
@@ -1141,7 +1143,7 @@ def _run(
 
     try:
         try:
-            for module in _modules(model):
+            for module in all_modules(model):
                 rule = RULES.get(type(module))
                 if rule is not None and type(rule).check is not Rule.check:
                     handles.append(module.register_forward_pre_hook(check))
@@ -1159,7 +1161,7 @@ def _run(
                 handle.remove()
         check_logits(logits)
         f = logits.detach()
-        _check_finite_logits(f)
+        check_finite_logits(f)
         structure = (tuple(calls), tuple(guard.uses.items()) if fast else ())
         verified = plans.get(structure) if fast else None
         if verified is not None:
@@ -1255,7 +1257,7 @@ def _run(
         n: totals[n] if n in totals else torch.zeros_like(p)
         for n, p in zip(names, chosen, strict=True)
     }
-    _check_finite_result(diagonals, f.dtype, "Monte-Carlo")
+    check_finite_result(diagonals, f.dtype, "Monte-Carlo")
     paths = dict.fromkeys(whole, _BY_MODEL)
     for owner in owners:
         for n in owner.names.values():
@@ -1344,8 +1346,8 @@ def _whole_model(
     floor = max((float(g.abs().max()) for g in expected.values()), default=0.0)
     for n, got in sums.items():
         want = expected.get(n, torch.zeros_like(got))
-        eps = _round_off(got)
-        tol = _sum_tolerance(eps)
+        eps = round_off(got)
+        tol = sum_tolerance(eps)
         scale = max(float(got.abs().max()), float(want.abs().max()))
         err = float((got - want).abs().max())
         if scale > math.sqrt(eps) * floor and not err <= tol * (scale + floor) + 1e-9 * scale:
@@ -1376,7 +1378,9 @@ def _probe(model: nn.Module, args: tuple) -> dict[int, bool]:
         ok[id(module)] = ok.get(id(module), True) and fine
 
     handles = [
-        m.register_forward_hook(hook, with_kwargs=True) for m in _modules(model) if m is not model
+        m.register_forward_hook(hook, with_kwargs=True)
+        for m in all_modules(model)
+        if m is not model
     ]
     try:
         with torch.no_grad(), _RandomOpGuard(model):
@@ -1413,7 +1417,7 @@ def _plan(
         own = {n: wanted[id(p)] for n, p in module._parameters.items() if id(p) in wanted}
         if own:
             held.append((path, module, own))
-    simple = all(not m._modules and not _is_parametrized(m) for _, m, _ in held)
+    simple = all(not m._modules and not is_parametrized(m) for _, m, _ in held)
     if simple and not replan:
         return [_Owner(m, path or "<model>", own) for path, m, own in held], []
     feasible = _probe(model, args)
@@ -1423,13 +1427,13 @@ def _plan(
     inside = {
         id(m)
         for pm in model.modules()
-        if _is_parametrized(pm)
+        if is_parametrized(pm)
         for m in pm.parametrizations.modules()
     }
 
     def home(path: str, module: nn.Module) -> str | None:
         """``path`` itself for a serviceable leaf, an enclosing block's path, or None (model)."""
-        odd = bool(module._modules) or _is_parametrized(module) or id(module) in inside
+        odd = bool(module._modules) or is_parametrized(module) or id(module) in inside
         if module is not model and not odd and feasible.get(id(module), True):
             return path
         p = path if module._modules else _parent(path)

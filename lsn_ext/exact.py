@@ -23,7 +23,7 @@ from torch.func import grad, vjp, vmap
 
 from lsn_ext._functional import functional_call_all
 from lsn_ext._memory import check_sample_memory
-from lsn_ext.engine import _check_finite_logits, _check_finite_result, _check_inputs
+from lsn_ext.engine import check_finite_logits, check_finite_result, check_inputs
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy, Loss, as_loss
 
 __all__ = ["exact_ggn_diagonal", "flatten_diagonals", "mc_ggn_diagonal"]
@@ -119,7 +119,7 @@ def exact_ggn_diagonal(
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size}")
     loss = as_loss(loss)
     params = _trainable(model)
-    _check_inputs(model, (inputs,))
+    check_inputs(model, (inputs,))
     buffers = _buffers(model)
 
     def f(p: dict[str, Tensor]) -> Tensor:
@@ -129,7 +129,7 @@ def exact_ggn_diagonal(
 
     logits, vjp_fn = vjp(f, params)
     logits = logits.detach()
-    _check_finite_logits(logits)
+    check_finite_logits(logits)
     index, values = _hessian_factors(loss, logits, targets)
 
     def pullback(v: Tensor) -> dict[str, Tensor]:
@@ -144,7 +144,7 @@ def exact_ggn_diagonal(
         vectors.scatter_(1, idx, val)
         for k, g in vmap(pullback)(vectors).items():
             diag[k] += g.square().sum(0)
-    _check_finite_result(diag, logits.dtype, "exact GGN")
+    check_finite_result(diag, logits.dtype, "exact GGN")
     return diag
 
 
@@ -229,11 +229,11 @@ def mc_ggn_diagonal(
         raise ValueError(f"mc_samples must be a positive int, got {mc_samples}")
     loss = as_loss(loss)
     params = _trainable(model)
-    _check_inputs(model, (inputs,))
+    check_inputs(model, (inputs,))
     buffers = _buffers(model)
     with torch.no_grad():
         logits = functional_call_all(model, {**buffers, **params}, (inputs,))
-    _check_finite_logits(logits)
+    check_finite_logits(logits)
     # Held at once: the draws s [S, N, ...] and the per-sample gradients [S, N, P].
     n_params = sum(p.numel() for p in params.values())
     check_sample_memory(
@@ -255,7 +255,7 @@ def mc_ggn_diagonal(
     per_draw = vmap(per_sample, in_dims=(None, None, 0), randomness="different")
     grads = per_draw(params, inputs, s)  # {name: [S, N, *p.shape]}
     diag = {k: g.square().sum((0, 1)) / mc_samples for k, g in grads.items()}
-    _check_finite_result(diag, logits.dtype, "Monte-Carlo")
+    check_finite_result(diag, logits.dtype, "Monte-Carlo")
     return diag
 
 

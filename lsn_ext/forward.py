@@ -43,7 +43,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from lsn_ext._functional import functional_call_all
-from lsn_ext.engine import _check_finite_logits, _check_inputs, _Session
+from lsn_ext.engine import Session, check_finite_logits, check_inputs
 
 __all__ = ["linearized_variance"]
 
@@ -105,7 +105,7 @@ def linearized_variance(
     """
     variances = _variance_dict(model, param_variance)
     args = (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    _check_inputs(model, args)
+    check_inputs(model, args)
     named = dict(model.named_parameters())
 
     with fwAD.dual_level():
@@ -115,7 +115,7 @@ def linearized_variance(
             n: fwAD.make_dual(named[n].detach().requires_grad_(True), v)
             for n, v in variances.items()
         }
-        with torch.enable_grad(), _Session(model, forward_mode=True):
+        with torch.enable_grad(), Session(model, forward_mode=True):
             out = functional_call_all(model, duals, args)
             if output_fn is not None:
                 out = output_fn(out)
@@ -129,7 +129,7 @@ def linearized_variance(
     mean = primal.detach()
     variance = torch.zeros_like(mean) if tangent is None else tangent.detach()
     del out, primal, tangent, duals
-    _check_finite_logits(mean)
+    check_finite_logits(mean)
     if not bool(torch.isfinite(variance).all()):
         raise FloatingPointError(
             f"the linearised variance overflows in {variance.dtype} at "

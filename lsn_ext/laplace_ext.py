@@ -83,12 +83,12 @@ def _tensor_bytes(t: Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
 
 
-# (prime p, multiplier a, offset b) of the two 31-bit sums of _fingerprint.
-_FINGERPRINT = ((2_147_483_647, 1_103_515_245, 12_345), (2_147_483_629, 1_664_525, 1_013_904_223))
-_FINGERPRINT_CHUNK = 2**22  # words per step: bounds the int64 temporaries to 32 MiB each
+# (prime p, multiplier a, offset b) of the two 31-bit sums of batch_digest.
+DIGEST_LCGS = ((2_147_483_647, 1_103_515_245, 12_345), (2_147_483_629, 1_664_525, 1_013_904_223))
+DIGEST_LCGS_CHUNK = 2**22  # words per step: bounds the int64 temporaries to 32 MiB each
 
 
-def _fingerprint(t: Tensor) -> Tensor:
+def batch_digest(t: Tensor) -> Tensor:
     """Two 31-bit fingerprints of ``t``'s bytes, computed on its device: int64 ``[2]``.
 
     The bytes are read as 32-bit words (16- or 8-bit words for narrower dtypes); word ``u_i``
@@ -102,10 +102,10 @@ def _fingerprint(t: Tensor) -> Tensor:
     size = flat.element_size()
     words = flat.view(torch.int32 if size >= 4 else torch.int16 if size == 2 else torch.uint8)
     sums = []
-    for p, a, b in _FINGERPRINT:
+    for p, a, b in DIGEST_LCGS:
         acc = torch.zeros((), dtype=torch.int64, device=words.device)
-        for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
-            u = words[start : start + _FINGERPRINT_CHUNK].long()
+        for start in range(0, words.numel(), DIGEST_LCGS_CHUNK):
+            u = words[start : start + DIGEST_LCGS_CHUNK].long()
             i = torch.arange(start, start + u.numel(), device=u.device)
             if start + u.numel() > p:
                 i = i % p
@@ -151,7 +151,7 @@ def _dict_input(model: nn.Module, batch: Mapping[str, Any], key: str, who: str) 
     return batch[key]
 
 
-def _check_images(x: Any, name: str = "x") -> Tensor:
+def check_images(x: Any, name: str = "x") -> Tensor:
     """``x`` if it is a finite tensor ``[N, …]`` with ``N ≥ 1``; otherwise a clear error.
 
     Raises:
@@ -195,7 +195,7 @@ def _check_trainable(model: nn.Module) -> None:
         )
 
 
-def _check_before_laplace_fit(model: nn.Module, train_loader: Any) -> None:
+def check_before_laplace_fit(model: nn.Module, train_loader: Any) -> None:
     """Errors that laplace-torch's ``fit`` raises before any backend runs, made clear.
 
     laplace-torch builds its backend lazily, on the first batch, after ``fit`` has already
@@ -491,7 +491,7 @@ class DiagBackprop(GGNInterface):
             if on_cpu:
                 digest.update(_tensor_bytes(t))
         if not on_cpu:  # fingerprints computed on the device: no copy of the batch to the host
-            fingerprints = torch.stack([_fingerprint(x), _fingerprint(y).to(x.device)]).tolist()
+            fingerprints = torch.stack([batch_digest(x), batch_digest(y).to(x.device)]).tolist()
             digest.update(repr(fingerprints).encode())
         batch_seed = int.from_bytes(digest.digest(), "little") & (2**63 - 1)
         return torch.Generator(device=x.device).manual_seed(batch_seed)
@@ -650,7 +650,7 @@ class DiagBackprop(GGNInterface):
             )
         world = self._world()
         try:
-            x = _check_images(self._tensor_input(x), "the batch's inputs")
+            x = check_images(self._tensor_input(x), "the batch's inputs")
             y = plain_tensor(y)
             if not isinstance(y, Tensor):
                 raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
@@ -714,7 +714,7 @@ class DiagBackprop(GGNInterface):
         One backward pass per sample (``torch.autograd.grad``: the parameters' ``.grad`` are
         left alone), subnetwork indices applied.
         """
-        x = _check_images(self._tensor_input(x), "x")
+        x = check_images(self._tensor_input(x), "x")
         rows, total = [], 0.0
         for i in range(x.shape[0]):
             with torch.enable_grad():
@@ -825,7 +825,7 @@ PRED_TYPES = ("glm", "nn")
 LINK_APPROXES = ("mc", "probit", "bridge")
 
 
-def _link(la: Any) -> str:
+def link_of(la: Any) -> str:
     if not isinstance(la, BaseLaplace):
         if getattr(la, "link", None) not in _LINKS:
             raise ValueError(f"the posterior's link must be one of {_LINKS}")
@@ -841,7 +841,7 @@ def _link(la: Any) -> str:
     raise ValueError(f"no predictive link for loss {type(loss).__name__}")
 
 
-def _entropy(p: Tensor, link: str) -> Tensor:
+def categorical_entropy(p: Tensor, link: str) -> Tensor:
     """Entropy in nats of per-position categorical (softmax) or Bernoulli (sigmoid) ``p``."""
     tiny = torch.finfo(p.dtype).tiny
     if link == "sigmoid":
@@ -850,7 +850,7 @@ def _entropy(p: Tensor, link: str) -> Tensor:
     return -(p * p.clamp_min(tiny).log()).sum(1)
 
 
-def _trainable(la: Any) -> list[tuple[str, Tensor]]:
+def trainable_params(la: Any) -> list[tuple[str, Tensor]]:
     """The model's parameters with ``requires_grad``, checked against those the posterior covers.
 
     A laplace-torch posterior covers the parameters that had ``requires_grad=True`` when it was
@@ -894,7 +894,7 @@ def _trainable(la: Any) -> list[tuple[str, Tensor]]:
     return named
 
 
-def _check_fitted(la: Any) -> None:
+def check_fitted(la: Any) -> None:
     if not all(hasattr(la, a) for a in ("sample", "model", "n_params")):
         raise TypeError(
             "expected a fitted laplace-torch Laplace object or a posterior with model, "
@@ -905,14 +905,14 @@ def _check_fitted(la: Any) -> None:
         raise ValueError("the Laplace object is not fitted yet: call la.fit(train_loader) first")
 
 
-def _check_n_samples(n_samples: Any) -> None:
+def check_n_samples(n_samples: Any) -> None:
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 2:
         raise ValueError(
             f"n_samples must be an int of at least 2 to estimate a variance, got {n_samples!r}"
         )
 
 
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
@@ -967,7 +967,7 @@ class _Moments:
         self.p_mean += delta / k
         self.p_m2 += delta * (p - self.p_mean)
         if self.entropy is not None:
-            self.entropy += (_entropy(p, self.link) - self.entropy) / k
+            self.entropy += (categorical_entropy(p, self.link) - self.entropy) / k
         if logits:
             if self.f_mean is None:
                 self.f_mean = torch.zeros_like(f)
@@ -1171,21 +1171,21 @@ def predict(
             (a BCE posterior created or loaded without ``backend_kwargs={"loss": "bce"}``), or
             the maps are not finite (a posterior too wide for the dtype).
     """
-    _check_fitted(la)
-    _check_n_samples(n_samples)
-    _check_choice("pred_type", pred_type, PRED_TYPES)
-    _check_choice("link_approx", link_approx, LINK_APPROXES)
+    check_fitted(la)
+    check_n_samples(n_samples)
+    check_choice("pred_type", pred_type, PRED_TYPES)
+    check_choice("link_approx", link_approx, LINK_APPROXES)
     window = as_window(window)
     if isinstance(x, Mapping):
         x = _dict_input(la.model, x, la.dict_key_x, "predict")
-    x = _check_images(plain_tensor(x))
-    link = _link(la)
+    x = check_images(plain_tensor(x))
+    link = link_of(la)
     if link == "identity" and link_approx != "mc":
         raise ValueError(
             f"link_approx={link_approx!r} approximates a softmax or sigmoid; a regression "
             "posterior's maps are the output mean and variance: use link_approx='mc'"
         )
-    named = _trainable(la)
+    named = trainable_params(la)
     model = _dist.unwrap(la.model)
     _check_eval_norms(model, "predict")
     full = link_approx == "bridge" and link == "softmax"
@@ -1220,7 +1220,7 @@ def predict(
         mean = _probs(kappa * f_mean, link)
     elif link_approx == "bridge":
         mean, variance, expected_entropy = _bridge_maps(link, f_mean, f_second)
-    entropy = _entropy(mean, link)
+    entropy = categorical_entropy(mean, link)
     mutual_information = (entropy - expected_entropy).clamp_min(0)
     result = SegmentationPrediction(
         mean,
@@ -1416,17 +1416,17 @@ def gridsearch_prior_precision(
             "gridsearch_prior_precision tunes a laplace-torch Laplace object's prior precision; "
             f"got {type(la).__name__}"
         )
-    _check_fitted(la)
-    link = _link(la)
+    check_fitted(la)
+    link = link_of(la)
     if link == "identity":
         raise ValueError(
             "gridsearch_prior_precision needs a classification likelihood; for regression (and "
             "reward_modeling, whose predictive is a regression) use "
             "la.optimize_prior_precision(method='marglik')"
         )
-    _check_n_samples(n_samples)
-    _check_choice("pred_type", pred_type, PRED_TYPES)
-    _check_choice("link_approx", link_approx, LINK_APPROXES)
+    check_n_samples(n_samples)
+    check_choice("pred_type", pred_type, PRED_TYPES)
+    check_choice("link_approx", link_approx, LINK_APPROXES)
     if prior_structure not in _STRUCTURES:
         raise ValueError(f"prior_structure must be one of {_STRUCTURES}, got {prior_structure!r}")
     values = _grid(grid, log_prior_prec_min, log_prior_prec_max, grid_size, log_prior_prec_base)
@@ -1465,7 +1465,7 @@ def gridsearch_prior_precision(
                     )
                 else:
                     x, y = data
-                x, y = _check_images(plain_tensor(x)), plain_tensor(y)
+                x, y = check_images(plain_tensor(x)), plain_tensor(y)
                 gen = torch.Generator(device=x.device).manual_seed(seed + batch)
                 try:
                     pred = predict(

@@ -38,11 +38,11 @@ from lsn_ext.laplace_ext import (
     PRED_TYPES,
     DiagBackprop,
     SegmentationPrediction,
-    _check_before_laplace_fit,
-    _check_choice,
-    _check_images,
-    _check_n_samples,
-    _entropy,
+    categorical_entropy,
+    check_before_laplace_fit,
+    check_choice,
+    check_images,
+    check_n_samples,
     glm_logits,
     predict,
 )
@@ -275,7 +275,7 @@ def fit_lsn(
     if distributed and _dist.world() is not None:
         _dist.check_loader(train_loader)
     mean_network = MeanNetwork(ssn)
-    _check_before_laplace_fit(mean_network, train_loader)
+    check_before_laplace_fit(mean_network, train_loader)
     loss, pack = _curvature_loss(ssn, curvature, pos_weight, n_samples, seed, distributed)
     la = Laplace(
         mean_network,
@@ -338,11 +338,11 @@ def _sample_prediction(logit_samples: Iterator[Tensor], n_samples: int) -> Segme
         p = _probabilities(f)
         link = "sigmoid" if f.shape[1] == 1 else "softmax"
         stats.add(p.unsqueeze(0))
-        h = _entropy(p, link)
+        h = categorical_entropy(p, link)
         expected_entropy = (
             h if expected_entropy is None else expected_entropy + (h - expected_entropy) / (i + 1)
         )
-    entropy = _entropy(stats.mean, link)
+    entropy = categorical_entropy(stats.mean, link)
     return SegmentationPrediction(
         stats.mean,
         stats.variance,
@@ -369,8 +369,8 @@ def mc_dropout_predict(model: nn.Module, x: Tensor, n_samples: int = 50) -> Segm
         ValueError: If the model has no dropout module, ``x`` is empty or not finite, or
             ``n_samples < 2``.
     """
-    x = _check_images(x)
-    _check_n_samples(n_samples)
+    x = check_images(x)
+    check_n_samples(n_samples)
     dropouts = [m for m in model.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
     if not any(m.p > 0 for m in dropouts):
         raise ValueError(f"{type(model).__name__} has no dropout module with p > 0")
@@ -411,7 +411,7 @@ def ensemble_predict(models: Iterable[nn.Module], x: Tensor) -> SegmentationPred
     for i, m in enumerate(models):
         if not isinstance(m, nn.Module):
             raise TypeError(f"ensemble member {i} is a {type(m).__name__}, not an nn.Module")
-    x = _check_images(x)
+    x = check_images(x)
     with _restored(*models):
         return _sample_prediction((m.eval()(x) for m in models), len(models))
 
@@ -432,8 +432,8 @@ def aleatoric_maps(
     """
     if not isinstance(ssn, SSN):
         raise TypeError(f"aleatoric_maps takes an lsn_ext.models.SSN, got {type(ssn).__name__}")
-    _check_n_samples(n_samples)
-    x = _check_images(x)
+    check_n_samples(n_samples)
+    x = check_images(x)
     with _restored(ssn):
         ssn.eval()
         eta = ssn.distribution(x).rsample(n_samples, antithetic=False, generator=generator)
@@ -528,8 +528,8 @@ def predict_lsn(
             raise ValueError(
                 f"{name} must be an int of at least 2 to estimate a variance, got {value!r}"
             )
-    _check_choice("pred_type", pred_type, PRED_TYPES)
-    x = _check_images(x)
+    check_choice("pred_type", pred_type, PRED_TYPES)
+    x = check_images(x)
     # The logit samples of one image batch, [n_aleatoric, N, K, *]: at least one class channel
     # at the input's resolution (the SSN's output size is known only after its forward pass).
     check_sample_memory(
@@ -599,5 +599,5 @@ def _predict_lsn(
         aleatoric,
         total.mean,
         total.variance,
-        _entropy(total.mean, link),
+        categorical_entropy(total.mean, link),
     )

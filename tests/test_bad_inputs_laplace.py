@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lsn_ext import DiagBackprop, VariationalPosterior, bridge_predictive
 from lsn_ext.estimators import ggn_diagonal
 from lsn_ext.exact import mc_ggn_diagonal
-from lsn_ext.laplace_ext import _check_before_laplace_fit, gridsearch_prior_precision, predict
+from lsn_ext.laplace_ext import check_before_laplace_fit, gridsearch_prior_precision, predict
 from lsn_ext.lsn import (
     aleatoric_maps,
     ensemble_predict,
@@ -614,19 +614,19 @@ CASES: dict[str, Case] = {
         **_raises(NotImplementedError, r"'lowrank' needs laplace-torch's AsdfghjklHessian"),
     ),
     "check-before-fit-all-frozen": Case(
-        _plain(_frozen_net, lambda net: _check_before_laplace_fit(net, _loader(_x(), _y()))),
+        _plain(_frozen_net, lambda net: check_before_laplace_fit(net, _loader(_x(), _y()))),
         **_raises(ValueError, "are frozen"),
     ),
     "check-before-fit-channels-last": Case(
-        _plain(_channels_last_net, lambda net: _check_before_laplace_fit(net, _loader(_x(), _y()))),
+        _plain(_channels_last_net, lambda net: check_before_laplace_fit(net, _loader(_x(), _y()))),
         **_raises(ValueError, r"parameter 0\.weight \(3, 2, 3, 3\) is not contiguous.*contiguous_"),
     ),
     "check-before-fit-loader-without-batches": Case(
-        _plain(_net, lambda net: _check_before_laplace_fit(net, _no_batches())),
+        _plain(_net, lambda net: check_before_laplace_fit(net, _no_batches())),
         **_raises(ValueError, r"yields no batches \(its dataset has 1 samples, batch_size=2, drop"),
     ),
     "check-before-fit-valid": Case(
-        _plain(_net, lambda net: _check_before_laplace_fit(net, _loader(_x(), _y())) or "ok"),
+        _plain(_net, lambda net: check_before_laplace_fit(net, _loader(_x(), _y())) or "ok"),
         check=lambda r: r == "ok" or pytest.fail(repr(r)),
     ),
     "backend-empty-batch": Case(

@@ -1,7 +1,7 @@
 """Device-agnostic code paths, checked on the CPU.
 
 Per-batch Monte-Carlo seeds (the CPU keeps hashing the batch's bytes; accelerators use
-:func:`lsn_ext.laplace_ext._fingerprint`, computed on the device), the curvature checks that
+:func:`lsn_ext.laplace_ext.batch_digest`, computed on the device), the curvature checks that
 synchronise once per batch instead of once per parameter, and the box corruptions. The CUDA runs
 are in ``tests/test_gpu.py``.
 """
@@ -13,17 +13,17 @@ import torch
 
 from lsn_ext import laplace_ext
 from lsn_ext.engine import (
-    _check_db_diagonals,
-    _check_finite_result,
-    _finite,
-    _round_off,
-    _sum_tolerance,
+    all_finite,
+    check_db_diagonals,
+    check_finite_result,
+    round_off,
+    sum_tolerance,
 )
-from lsn_ext.laplace_ext import DiagBackprop, _fingerprint
+from lsn_ext.laplace_ext import DiagBackprop, batch_digest
 from lsn_ext.metrics import black_box, noise_box, sample_boxes
 from lsn_ext.models import UNet
 
-PRIMES = [p for p, _, _ in laplace_ext._FINGERPRINT]
+PRIMES = [p for p, _, _ in laplace_ext.DIGEST_LCGS]
 
 
 def test_cpu_batch_seed_is_the_hash_of_the_batch_bytes():
@@ -43,29 +43,29 @@ def test_cpu_batch_seed_is_the_hash_of_the_batch_bytes():
 
 def test_fingerprint_is_exact_and_tells_batches_apart(monkeypatch):
     x = torch.randn(3, 5, 7)
-    fp = _fingerprint(x)
+    fp = batch_digest(x)
     assert fp.dtype == torch.int64
     assert fp.shape == (2,)
     assert all(0 <= int(v) < p for v, p in zip(fp, PRIMES, strict=True))
-    assert torch.equal(_fingerprint(x.clone()), fp)
+    assert torch.equal(batch_digest(x.clone()), fp)
     # the values in logical order, whatever the memory layout
-    assert torch.equal(_fingerprint(x.transpose(0, 2).contiguous().transpose(0, 2)), fp)
+    assert torch.equal(batch_digest(x.transpose(0, 2).contiguous().transpose(0, 2)), fp)
     # integer sums: chunking (the reduction order) does not change the result
-    monkeypatch.setattr(laplace_ext, "_FINGERPRINT_CHUNK", 4)
-    assert torch.equal(_fingerprint(x), fp)
+    monkeypatch.setattr(laplace_ext, "DIGEST_LCGS_CHUNK", 4)
+    assert torch.equal(batch_digest(x), fp)
     monkeypatch.undo()
     ulp = x.clone()
     ulp[1, 2, 3] = torch.nextafter(ulp[1, 2, 3], torch.tensor(10.0))
     swapped = x.clone()
     swapped[0, 0, [0, 1]] = swapped[0, 0, [1, 0]]
     for other in (ulp, swapped, x.float(), x[:2]):
-        assert not torch.equal(_fingerprint(other), fp)
+        assert not torch.equal(batch_digest(other), fp)
 
 
 def test_fingerprint_words_that_agree_modulo_one_prime_differ_modulo_the_other():
     a = torch.tensor([7, -1], dtype=torch.int32)
     b = torch.tensor([7, -1 + PRIMES[0]], dtype=torch.int32)
-    fa, fb = _fingerprint(a), _fingerprint(b)
+    fa, fb = batch_digest(a), batch_digest(b)
     assert fa[0] == fb[0]
     assert fa[1] != fb[1]
 
@@ -76,27 +76,27 @@ def test_fingerprint_words_that_agree_modulo_one_prime_differ_modulo_the_other()
 )
 def test_fingerprint_of_every_dtype(dtype):
     t = (torch.rand(4, 9) * 5).to(dtype)
-    fp = _fingerprint(t)
+    fp = batch_digest(t)
     assert all(0 <= int(v) < p for v, p in zip(fp, PRIMES, strict=True))
-    assert torch.equal(_fingerprint(t.clone()), fp)
-    assert _fingerprint(t[:0]).tolist() == [0, 0]
+    assert torch.equal(batch_digest(t.clone()), fp)
+    assert batch_digest(t[:0]).tolist() == [0, 0]
 
 
 def test_curvature_checks_name_the_first_bad_parameter():
     ok = torch.ones(3)
-    _check_finite_result({"a": ok, "b": torch.zeros(0), "c": ok}, torch.float64, "DB")
+    check_finite_result({"a": ok, "b": torch.zeros(0), "c": ok}, torch.float64, "DB")
     bad = torch.tensor([1.0, torch.inf])
     diagonals = {"a": ok, "b": bad, "c": bad * torch.nan}
     with pytest.raises(FloatingPointError, match=r"Monte-Carlo diagonal of 'b' is not finite"):
-        _check_finite_result(diagonals, torch.float64, "Monte-Carlo")
+        check_finite_result(diagonals, torch.float64, "Monte-Carlo")
     rounding = torch.tensor([1.0, -1e-15])  # below 64 eps of the largest entry: rounding
-    _check_db_diagonals({"a": rounding, "b": torch.zeros(0)})
+    check_db_diagonals({"a": rounding, "b": torch.zeros(0)})
     with pytest.raises(
         RuntimeError, match=r"DB diagonal of 'c' has negative entries \(smallest -0\.5"
     ):
-        _check_db_diagonals({"a": rounding, "b": torch.zeros(0), "c": torch.tensor([1.0, -0.5])})
+        check_db_diagonals({"a": rounding, "b": torch.zeros(0), "c": torch.tensor([1.0, -0.5])})
     with pytest.raises(FloatingPointError, match=r"DB diagonal of 'b' is not finite"):
-        _check_db_diagonals(diagonals)
+        check_db_diagonals(diagonals)
 
 
 def test_finite_is_exact_where_the_sum_overflows_or_cancels():
@@ -112,9 +112,9 @@ def test_finite_is_exact_where_the_sum_overflows_or_cancels():
         "empty": (torch.zeros(0), True),
         "complex": (torch.tensor([1 + 2j]), True),
     }
-    got = _finite([t for t, _ in cases.values()])
+    got = all_finite([t for t, _ in cases.values()])
     assert dict(zip(cases, got, strict=True)) == {k: ok for k, (_, ok) in cases.items()}
-    assert _finite([]) == []
+    assert all_finite([]) == []
 
 
 @pytest.mark.parametrize(
@@ -129,8 +129,8 @@ def test_finite_is_exact_where_the_sum_overflows_or_cancels():
 def test_round_off_checks_scale_with_the_dtype_on_the_cpu(dtype, tolerance):
     """On the CPU no TF32: the dtype's eps (the CUDA float32 case is in test_gpu.py)."""
     t = torch.zeros(2, dtype=dtype)
-    assert _round_off(t) == torch.finfo(dtype).eps
-    assert _sum_tolerance(_round_off(t)) == pytest.approx(tolerance)
+    assert round_off(t) == torch.finfo(dtype).eps
+    assert sum_tolerance(round_off(t)) == pytest.approx(tolerance)
 
 
 def test_corruptions_draw_on_the_generator_and_keep_their_values():

@@ -13,7 +13,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import lsn_ext
-from lsn_ext.engine import _check_db_diagonals
+from lsn_ext.engine import check_db_diagonals
 from lsn_ext.exact import exact_ggn_diagonal
 from tests.model_state import assert_unchanged, snapshot
 
@@ -233,14 +233,14 @@ def test_non_reentrant_checkpointing_works_with_monte_carlo():
 
 def test_a_negative_db_diagonal_is_reported():
     with pytest.raises(RuntimeError, match=r"DB diagonal of 'w' has negative entries"):
-        _check_db_diagonals({"v": torch.ones(3), "w": torch.tensor([1.0, -0.2])})
-    _check_db_diagonals({"w": torch.tensor([1.0, -1e-20, 0.0])})  # rounding is tolerated
+        check_db_diagonals({"v": torch.ones(3), "w": torch.tensor([1.0, -0.2])})
+    check_db_diagonals({"w": torch.tensor([1.0, -1e-20, 0.0])})  # rounding is tolerated
 
 
 @pytest.mark.parametrize("bad", [torch.inf, -torch.inf, torch.nan], ids=["inf", "-inf", "nan"])
 def test_a_non_finite_db_diagonal_is_reported(bad):
     with pytest.raises(FloatingPointError, match=r"DB diagonal of 'w' is not finite"):
-        _check_db_diagonals({"v": torch.ones(3), "w": torch.tensor([1.0, bad, 2.0])})
+        check_db_diagonals({"v": torch.ones(3), "w": torch.tensor([1.0, bad, 2.0])})
 
 
 class _Mix(nn.Module):

@@ -16,9 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lsn_ext import bridge_predictive, ggn_diagonal, laplace_bridge, linearized_variance
 from lsn_ext.data import synthetic_lesions
-from lsn_ext.engine import _round_off
+from lsn_ext.engine import round_off
 from lsn_ext.estimators import _monte_carlo
-from lsn_ext.laplace_ext import DiagBackprop, _fingerprint, predict
+from lsn_ext.laplace_ext import DiagBackprop, batch_digest, predict
 from lsn_ext.metrics import (
     aurc,
     average_precision,
@@ -97,7 +97,7 @@ def test_monte_carlo_on_the_device_matches_cpu_with_the_same_vectors():
 
 def test_fingerprint_and_corruptions_are_the_same_on_the_device():
     x, _ = lesions()
-    assert torch.equal(_fingerprint(x.to(DEVICE)).cpu(), _fingerprint(x))
+    assert torch.equal(batch_digest(x.to(DEVICE)).cpu(), batch_digest(x))
     noisy, box = noise_box(x, generator=torch.Generator().manual_seed(1))
     got, got_box = noise_box(x.to(DEVICE), generator=torch.Generator().manual_seed(1))
     assert got.device.type == got_box.device.type == DEVICE.type
@@ -199,15 +199,15 @@ def test_bridge_on_the_device_matches_cpu_float64(dtype):
 def test_round_off_follows_the_tf32_setting():
     t = torch.zeros(1, device=DEVICE, dtype=torch.float32)
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
-        assert _round_off(t) == 2.0**-10
+        assert round_off(t) == 2.0**-10
     matmul = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = False
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-            assert _round_off(t) == torch.finfo(torch.float32).eps
+            assert round_off(t) == torch.finfo(torch.float32).eps
     finally:
         torch.backends.cuda.matmul.allow_tf32 = matmul
-    assert _round_off(t.double()) == torch.finfo(torch.float64).eps
+    assert round_off(t.double()) == torch.finfo(torch.float64).eps
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 __all__ = ["Rule"]
 
 
-def _total(y: Tensor, terms: Sequence[Tensor | None]) -> Tensor:
+def total_variance(y: Tensor, terms: Sequence[Tensor | None]) -> Tensor:
     """The sum of the ``terms`` that are not ``None``, broadcast to the shape of ``y``.
 
     Forward rules add one variance term for the input and one per parameter; absent inputs or

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lsn_ext._kernels import choose, timing_applies
-from lsn_ext.rules.base import Rule, _total
+from lsn_ext.rules.base import Rule, total_variance
 
 __all__ = ["ConvRule"]
 
@@ -407,7 +407,7 @@ class ConvRule(Rule):
         x_in = geo.x.detach()
         y_b = geo.batch(y)
         bias_shape = (1, -1) + (1,) * (y_b.dim() - 2)
-        v_out = _total(
+        v_out = total_variance(
             y_b,
             [
                 None if v_in is None else conv(geo.from_input(v_in), W * W),

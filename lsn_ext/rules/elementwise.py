@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from lsn_ext.rules.base import Rule, _total
+from lsn_ext.rules.base import Rule, total_variance
 
 __all__ = [
     "CELURule",
@@ -175,7 +175,7 @@ class PReLURule(ElementwiseRule):
             terms[0] = self.input_rule(module, x, y, v_in)
         if var_a is not None:
             terms[1] = x.clamp(max=0).square() * self._slope(var_a, x)
-        return _total(y, terms)
+        return total_variance(y, terms)
 
 
 class ELURule(ElementwiseRule):

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from lsn_ext.rules.base import Rule, _total
+from lsn_ext.rules.base import Rule, total_variance
 
 __all__ = ["LinearRule"]
 
@@ -54,7 +54,7 @@ class LinearRule(Rule):
         W = module.weight.detach()
         x = x.detach()
         var_w, var_b = param_var.get("weight"), param_var.get("bias")
-        return _total(
+        return total_variance(
             y,
             [
                 None if v_in is None else v_in @ (W * W).T,

@@ -147,7 +147,7 @@ class BCEWithLogits(Loss):
                     f"{tuple(logits.shape)}; give targets shaped like the logits (or [N, *] for "
                     "[N, 1, *] logits)"
                 )
-        _check_batch(logits, targets, "BCE")
+        check_batch(logits, targets, "BCE")
         targets = targets.to(logits.dtype)
         outside = ~((targets >= 0) & (targets <= 1))  # NaN compares False: caught here
         if bool(outside.any()):
@@ -243,7 +243,7 @@ class CrossEntropy(Loss):
                 "(label maps loaded as floats, e.g. by MONAI's LoadImage: cast them with .long(), "
                 "or add monai.transforms.CastToTyped(keys='label', dtype=torch.long))"
             )
-        _check_batch(logits, targets, "cross-entropy")
+        check_batch(logits, targets, "cross-entropy")
         C = logits.shape[1]
         if self.weight is not None and self.weight.numel() != C:
             raise ValueError(f"weight has {self.weight.numel()} entries but the logits {C} classes")
@@ -368,7 +368,7 @@ def _others(p: Tensor) -> Tensor:
     return prefix + suffix
 
 
-def _check_batch(logits: Tensor, targets: Tensor, what: str) -> None:
+def check_batch(logits: Tensor, targets: Tensor, what: str) -> None:
     """Refuse targets that are not a tensor, and an empty batch."""
     if not isinstance(targets, Tensor):
         raise TypeError(f"{what} targets must be a tensor, got {type(targets).__name__}")

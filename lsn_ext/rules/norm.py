@@ -40,7 +40,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from lsn_ext.rules.base import Rule, _total
+from lsn_ext.rules.base import Rule, total_variance
 
 __all__ = ["BatchNormRule", "GroupNormRule", "InstanceNormRule", "LayerNormRule"]
 
@@ -114,7 +114,7 @@ def _running_forward(
         terms[1] = ((x.detach() - mean) * inv_std).square() * var_w.reshape(shape)
     if module.bias is not None and var_b is not None:
         terms[2] = var_b.reshape(shape)
-    return _total(y, terms)
+    return total_variance(y, terms)
 
 
 class BatchNormRule(Rule):
@@ -287,7 +287,7 @@ class _GroupStatsRule(Rule):
             terms[1] = x_hat.square() * self._affine(var_w, x_hat)
         if module.bias is not None and var_b is not None:
             terms[2] = self._affine(var_b, x_hat)
-        return _total(x_hat, terms).reshape(y.shape)
+        return total_variance(x_hat, terms).reshape(y.shape)
 
 
 class InstanceNormRule(_GroupStatsRule):

@@ -80,7 +80,7 @@ import torch
 from torch import Tensor
 
 from lsn_ext.models.ssn import SSNOutput
-from lsn_ext.rules.losses import BCEWithLogits, _check_batch
+from lsn_ext.rules.losses import BCEWithLogits, check_batch
 
 __all__ = ["ExpectedBCE", "LogsumexpBCE", "expected_value", "marginal_variance"]
 
@@ -184,7 +184,7 @@ class _NoisyBCE(BCEWithLogits):
 
     def check(self, logits: Tensor, targets: Tensor) -> Tensor:
         name, c = type(self).__name__, self._extra_channels()
-        _check_batch(logits, targets, name)
+        check_batch(logits, targets, name)
         if logits.dim() < 2 or logits.shape[1] != 1:
             raise ValueError(
                 f"{name} takes the mean logits of a binary SSN, [N, 1, *]; got shape "
