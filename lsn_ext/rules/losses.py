@@ -17,7 +17,7 @@ loss                            logits / targets              Hessian w.r.t. the
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +60,14 @@ def _check_reduction(reduction: str) -> None:
 
 
 class Loss:
-    """A loss ``ℓ(f, y)`` on logits ``f`` with a positive semi-definite Hessian w.r.t. ``f``."""
+    """A loss ``ℓ(f, y)`` on logits ``f`` with a positive semi-definite Hessian w.r.t. ``f``.
+
+    ``link`` names the predictive link of the likelihood (:mod:`lsn_ext.links`): ``"sigmoid"``,
+    ``"softmax"`` or ``"identity"``; ``None`` for a loss without one.
+    """
 
     reduction: Reduction = "sum"
+    link: ClassVar[str | None] = None
 
     def value(self, logits: Tensor, targets: Tensor) -> Tensor:
         """The loss, a scalar."""
@@ -119,6 +124,8 @@ class BCEWithLogits(Loss):
         weight: Element weights, broadcast against the logits.
         reduction: ``"sum"`` (laplace-torch's convention) or ``"mean"`` over all entries.
     """
+
+    link: ClassVar[str | None] = "sigmoid"
 
     def __init__(
         self,
@@ -196,6 +203,8 @@ class CrossEntropy(Loss):
         reduction: ``"sum"`` (laplace-torch) or ``"mean"`` (divided by ``Σ w_y`` over counted
             positions, as torch does).
     """
+
+    link: ClassVar[str | None] = "softmax"
 
     def __init__(
         self,
@@ -322,6 +331,8 @@ class MSE(Loss):
         factor: The loss is ``factor · Σ (f − y)²`` and its Hessian ``2 · factor``; ``½`` by
             default, ``1`` for ``nn.MSELoss``.
     """
+
+    link: ClassVar[str | None] = "identity"
 
     def __init__(self, reduction: Reduction = "sum", factor: float = 0.5):
         _check_reduction(reduction)
