@@ -97,7 +97,7 @@ SAVEFIELD = "diag_backprop"
 """The attribute every parameter's diagonal is saved in."""
 
 
-# Upstream fix: integration/upstream/backpack/0001-cat-module-and-torch-cat-converter.patch
+# Upstream fix: integration/checks/upstream/backpack/0001-cat-module-and-torch-cat-converter.patch
 class Cat(SumModule):
     """``torch.cat(inputs, dim)`` as a module, so that BackPACK sees concatenations.
 
@@ -246,7 +246,7 @@ class _SumExtension(ModuleExtension):
                 extension.give(x, m)
 
 
-# Upstream fix: integration/upstream/backpack/0001-cat-module-and-torch-cat-converter.patch
+# Upstream fix: integration/checks/upstream/backpack/0001-cat-module-and-torch-cat-converter.patch
 class _CatExtension(ModuleExtension):
     """:class:`Cat`: input ``i`` gets its slice of ``m`` along ``dim`` (0/1 Jacobian)."""
 
@@ -261,7 +261,7 @@ class _CatExtension(ModuleExtension):
                 extension.give(x, piece)
 
 
-# Upstream fix: integration/upstream/backpack/0004-dense-mse-bce-sqrt-hessian.patch
+# Upstream fix: integration/checks/upstream/backpack/0004-dense-mse-bce-sqrt-hessian.patch
 class _LossExtension(ModuleExtension):
     """Starts the recursion: ``m = diag(H)`` of the loss at the logits (``module.input0``).
 
@@ -340,7 +340,8 @@ class DiagBackpropExtension(BackpropExtension):
         if ce_first_step not in ("exact", "diag"):
             raise ValueError(f"ce_first_step must be 'exact' or 'diag', got {ce_first_step!r}")
         self.ce_first_step = ce_first_step
-        # Upstream fix (nn.Upsample): integration/upstream/backpack/0003-upsample-derivatives.patch
+        # Upstream fix (nn.Upsample):
+        # integration/checks/upstream/backpack/0003-upsample-derivatives.patch
         mapping: dict[type[nn.Module], ModuleExtension] = {cls: _RuleExtension() for cls in RULES}
         mapping.update(_extra_extensions())
         self._classes = set(mapping)
@@ -552,7 +553,8 @@ def _rewrite(graph: Graph, root: nn.Module) -> None:
         if node.op in ("placeholder", "output", "call_module"):
             continue
         args, kwargs = node.args, dict(node.kwargs)
-        # Upstream fix: integration/upstream/backpack/0001-cat-module-and-torch-cat-converter.patch
+        # Upstream fix:
+        # integration/checks/upstream/backpack/0001-cat-module-and-torch-cat-converter.patch
         if _is(node, _CAT):
             parts = args[0] if args else kwargs.pop("tensors")
             dim = args[1] if len(args) > 1 else kwargs.pop("dim", kwargs.pop("axis", 0))
@@ -597,7 +599,8 @@ def _rewrite(graph: Graph, root: nn.Module) -> None:
             node.op, node.target, node.args, node.kwargs = (
                 "call_function", operator.mul, (x, float(c)), {}
             )  # fmt: skip
-        # Upstream fix: integration/upstream/backpack/0002-converter-flatten-transpose-kwargs.patch
+        # Upstream fix:
+        # integration/checks/upstream/backpack/0002-converter-flatten-transpose-kwargs.patch
         elif _is(node, _FLATTEN) or _is(node, _TRANSPOSE):
             flat = _is(node, _FLATTEN)
             spec = (("start_dim", 0), ("end_dim", -1)) if flat else (("dim0", None), ("dim1", None))

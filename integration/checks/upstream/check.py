@@ -2,12 +2,12 @@
 
 Usage::
 
-    .venv/bin/python integration/upstream/check.py [stochman] [backpack] [laplace]
+    .venv/bin/python -m integration.checks.upstream.check [stochman] [backpack] [laplace]
 
 For each package (all three by default): copy the installed package directory from
 site-packages into a temporary directory laid out like the upstream repository (the package
-directory at the root), apply ``integration/upstream/<package>/NNNN-*.patch`` in order with
-``git apply -p1`` (``patch -p1`` if git is missing), then run the test files the patches add in
+directory at the root), apply ``integration/checks/upstream/<package>/NNNN-*.patch`` in order
+with ``git apply -p1`` (``patch -p1`` if git is missing), then run the test files the patches add in
 one pytest subprocess whose ``PYTHONPATH`` starts with the temporary directory, so that the
 patched package shadows the installed one. Then it checks the Python files the patches touch
 with the upstream's own linters and formatters and settings (:data:`STYLE`): black, isort and
@@ -32,7 +32,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# folder under integration/upstream -> importable package that the patches modify
+# folder under integration/checks/upstream -> importable package that the patches modify
 PACKAGES = {"stochman": "stochman", "backpack": "backpack", "laplace": "laplace"}
 TEST_DIRS = ("tests/", "test/")
 

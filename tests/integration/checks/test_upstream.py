@@ -1,4 +1,4 @@
-"""The patches of ``integration/upstream`` apply to the installed release, pass and are styled.
+"""The patches of ``integration/checks/upstream`` apply to the installed release, pass, are styled.
 
 The style check runs each upstream's own linters and formatters (black, isort, flake8 or ruff,
 from the ``dev`` extra) on the files the patches touch.
@@ -6,7 +6,6 @@ from the ``dev`` extra) on the files the patches touch.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -15,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-CHECK = ROOT / "integration" / "upstream" / "check.py"
-PATCHES = sorted((ROOT / "integration" / "upstream" / "stochman").glob("[0-9]*.patch"))
+from integration.checks.upstream import check
+
+ROOT = Path(__file__).resolve().parents[3]
+UPSTREAM = ROOT / "integration" / "checks" / "upstream"
+PATCHES = sorted((UPSTREAM / "stochman").glob("[0-9]*.patch"))
 
 needs_git = pytest.mark.skipif(
     shutil.which("git") is None and shutil.which("patch") is None,
@@ -25,18 +26,10 @@ needs_git = pytest.mark.skipif(
 )
 
 
-def _load_check():
-    spec = importlib.util.spec_from_file_location("upstream_check", CHECK)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @needs_git
 def test_stochman_patches_apply_pass_and_follow_upstream_style():
     res = subprocess.run(
-        [sys.executable, str(CHECK), "stochman"],
+        [sys.executable, "-m", "integration.checks.upstream.check", "stochman"],
         capture_output=True,
         text=True,
         timeout=180,
@@ -70,7 +63,6 @@ FORMATTED = "x = [1, 2, 3]\n"
     ],
 )
 def test_style_check_reports_misformatted_file(tmp_path, package, tools):
-    check = _load_check()
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "bad.py").write_text(MISFORMATTED)
     (tmp_path / "pkg" / "good.py").write_text(FORMATTED)
@@ -80,7 +72,6 @@ def test_style_check_reports_misformatted_file(tmp_path, package, tools):
 
 def test_style_check_uses_upstream_line_length(tmp_path):
     """A 97-character line: too long for BackPACK (black: 88, B950: 96), fine for StochMan."""
-    check = _load_check()
     line = "x = " + " + ".join(["1"] * 24) + "\n"
     assert 95 < len(line) < 110
     (tmp_path / "long.py").write_text(line)
@@ -91,7 +82,6 @@ def test_style_check_uses_upstream_line_length(tmp_path):
 
 
 def test_table_marks_style_problems():
-    check = _load_check()
     row = check.Row("backpack", "0001-x.patch", True, passed=3, style=["black: a.py"])
     assert not row.ok
     assert "| yes | yes | **no**: black: a.py | 3 / 0 / 0 |" in check.table([row])

@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python integration/backpack_example.py            # 64², float32, a few seconds
-    .venv/bin/python integration/backpack_example.py --size 128
+    .venv/bin/python -m integration.checks.backpack_example            # 64², float32, a few seconds
+    .venv/bin/python -m integration.checks.backpack_example --size 128
 
 Converts the LSN paper's U-Net (5 levels, 8-16-32-64-128, tanh, nearest upsampling) with
 ``lsn_ext.backpack_ext.convert``, runs ``DiagBackpropExtension`` for BCE and 3-class

@@ -2,9 +2,9 @@
 
 Run from the repository root::
 
-    .venv/bin/python integration/distributed_fit.py                 # spawns 2 gloo processes
-    .venv/bin/python integration/distributed_fit.py --estimator mc
-    torchrun --nproc-per-node 2 integration/distributed_fit.py      # the same under torchrun
+    .venv/bin/python -m integration.checks.distributed_fit                 # spawns 2 gloo processes
+    .venv/bin/python -m integration.checks.distributed_fit --estimator mc
+    torchrun --nproc-per-node 2 -m integration.checks.distributed_fit      # the same under torchrun
 
 Each rank builds the same SSN (``SSN.with_unet``, seeded; untrained: this shows the mechanics,
 not a calibrated posterior), loads the 32×32 nuclei training patches, and fits

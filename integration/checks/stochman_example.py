@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    .venv/bin/python integration/stochman_example.py            # 64², float32, a few seconds
-    .venv/bin/python integration/stochman_example.py --size 128
+    .venv/bin/python -m integration.checks.stochman_example            # 64², float32, a few seconds
+    .venv/bin/python -m integration.checks.stochman_example --size 128
 
 Builds the LSN paper's U-Net (5 levels, 8-16-32-64-128, tanh, nearest upsampling) as a plain
 ``nn.Module``, converts it with ``lsn_ext.stochman_ext.to_nnj`` (nested ``SkipConnection`` s and a

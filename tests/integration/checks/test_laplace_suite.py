@@ -1,4 +1,4 @@
-"""integration/laplace_suite.py's junit reader, failure classifier and report, offline.
+"""integration/checks/laplace_suite.py's junit reader, failure classifier and report, offline.
 
 The script itself runs laplace-torch's upstream tests (not shipped, not downloaded here); these
 tests feed it a synthetic junit file instead.
@@ -6,14 +6,7 @@ tests feed it a synthetic junit file instead.
 
 import csv
 
-import pytest
-
-from tests.scripts import load_script
-
-
-@pytest.fixture(scope="module")
-def suite():
-    yield from load_script("laplace_suite")
+from integration.checks import laplace_suite as suite
 
 
 def _testcase(module: str, name: str, marked: bool, child: str = "") -> str:
@@ -55,7 +48,7 @@ JUNIT = (
 )
 
 
-def _results(suite, tmp_path):
+def _results(tmp_path):
     path = tmp_path / "mc.xml"
     path.write_text(JUNIT)
     mc = suite.read_junit(path, "mc")
@@ -68,8 +61,8 @@ def _results(suite, tmp_path):
     return {"baseline": baseline, "mc": mc}
 
 
-def test_read_junit_outcomes_and_substitution_marks(suite, tmp_path):
-    cases = _results(suite, tmp_path)["mc"]
+def test_read_junit_outcomes_and_substitution_marks(tmp_path):
+    cases = _results(tmp_path)["mc"]
     assert [c.outcome for c in cases] == ["passed", "failed", "error", "failed", "skipped"]
     assert cases[0].test == "tests/test_baselaplace.py::test_fit[DiagLaplace]"
     assert [c.diag_backprop for c in cases] == [True, True, True, True, False]
@@ -77,8 +70,8 @@ def test_read_junit_outcomes_and_substitution_marks(suite, tmp_path):
     assert "dictionary batch" in cases[1].message
 
 
-def test_classify_by_baseline_then_rules_else_unexplained(suite, tmp_path):
-    results = _results(suite, tmp_path)
+def test_classify_by_baseline_then_rules_else_unexplained(tmp_path):
+    results = _results(tmp_path)
     baseline = {c.test: c.outcome for c in results["baseline"]}
     dict_case, old_case, close_case = results["mc"][1:4]
     cause, expected = suite.classify(dict_case, baseline)
@@ -88,7 +81,7 @@ def test_classify_by_baseline_then_rules_else_unexplained(suite, tmp_path):
     assert suite.classify(close_case, baseline) == (suite.UNEXPLAINED, False)
 
 
-def test_a_rule_matches_its_modes_only(suite):
+def test_a_rule_matches_its_modes_only():
     rule = suite.Rule("why", True, test=r"reward", message=r"first step", modes=("db",))
     hit = suite.Case("db", "t::test_reward_modeling", "failed", "the first step needs")
     assert rule.matches(hit)
@@ -96,8 +89,8 @@ def test_a_rule_matches_its_modes_only(suite):
     assert not rule.matches(suite.Case("db", "t::test_other", "failed", hit.message))
 
 
-def test_report_counts_and_lists_every_failure(suite, tmp_path):
-    md, csv_path = suite.write_report(_results(suite, tmp_path), tmp_path / "out", "synthetic")
+def test_report_counts_and_lists_every_failure(tmp_path):
+    md, csv_path = suite.write_report(_results(tmp_path), tmp_path / "out", "synthetic")
     text = md.read_text()
     assert "| mc | 5 | 1 | 2 | 1 | 1 |" in text
     assert "| baseline | 5 | 4 | 0 | 1 | 0 |" in text
