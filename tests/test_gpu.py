@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lsn_ext import bridge_predictive, ggn_diagonal, laplace_bridge, linearized_variance
 from lsn_ext.data import synthetic_lesions
-from lsn_ext.engine import round_off
+from lsn_ext.engine.checks import round_off
 from lsn_ext.estimators import _monte_carlo
 from lsn_ext.laplace_ext import DiagBackprop, batch_digest, predict
 from lsn_ext.metrics import (

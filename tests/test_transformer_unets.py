@@ -28,9 +28,9 @@ import lsn_ext
 from lsn_ext.estimators import _monte_carlo
 from lsn_ext.exact import exact_ggn_diagonal
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy, Loss
+from tests.engine.test_no_silent_path import _batch, _Checkpointed, _overridden, _weight_normed
 from tests.model_state import assert_unchanged, snapshot
 from tests.networks import tiny_unet
-from tests.test_engine_no_silent_path import _batch, _Checkpointed, _overridden, _weight_normed
 
 pytest.importorskip("monai")
 pytestmark = pytest.mark.filterwarnings("ignore:By default `link_approx` is `probit`")

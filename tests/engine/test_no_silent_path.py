@@ -13,7 +13,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import lsn_ext
-from lsn_ext.engine import check_db_diagonals
+from lsn_ext.engine.checks import check_db_diagonals
 from lsn_ext.exact import exact_ggn_diagonal
 from tests.model_state import assert_unchanged, snapshot
 

@@ -7,11 +7,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from lsn_ext.forward import linearized_variance
+from lsn_ext.engine.forward import linearized_variance
 from lsn_ext.models import UNet
-from tests.networks import GraphNet, cat, classifier, residual_net, tiny_unet
-from tests.reference import dense_forward, exact_linearized_variance
-from tests.test_engine import (
+from tests.engine.test_diag_backprop import (
     ERRORS,
     FUNCTIONAL,
     NORM_NETS,
@@ -23,6 +21,8 @@ from tests.test_engine import (
     randomise_norm_and_act,
     snapshot,
 )
+from tests.networks import GraphNet, cat, classifier, residual_net, tiny_unet
+from tests.reference import dense_forward, exact_linearized_variance
 
 TOL = {"rtol": 1e-10, "atol": 1e-12}
 
