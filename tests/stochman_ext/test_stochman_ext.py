@@ -92,6 +92,13 @@ def _batchnorm():
     return bn
 
 
+def _frozen_first_weight():
+    # StochMan's weight sandwich covers every parameter, requires_grad or not.
+    seq = sx.Sequential(sx.Conv2d(2, 3, 3, padding=1), sx.Tanh(), sx.MaxPool2d(2))
+    seq[0].weight.requires_grad_(False)
+    return seq
+
+
 # Each case is exact for DB (one parametric layer, then elementwise / 0-1 layers), so the
 # sandwiches must equal the brute-force Σ_o J_oi² m_o.
 MODULES = {
@@ -152,6 +159,7 @@ MODULES = {
         lambda: sx.SkipConnection(sx.Conv2d(2, 2, 3, padding=1), dim=-1),
         (2, 2, 3, 4),
     ),
+    "Sequential-frozen-weight": (_frozen_first_weight, (2, 2, 4, 4)),
 }
 
 
@@ -183,6 +191,61 @@ def test_diag_sandwiches_match_jacrev(case):
         expected_w = squared_all_params(module, x, m)
         assert w.shape == expected_w.shape == (B, sum(p.numel() for p in module.parameters()))
         torch.testing.assert_close(w, expected_w, **TOL)
+
+
+def test_container_sandwiches_with_a_weight_tied_across_layers():
+    # DB of a tied weight sums the diagonals of its uses (no cross terms): built here from the
+    # leaf sandwiches, which the jacrev test checks one by one.
+    a, b = sx.Conv2d(2, 2, 1), sx.Conv2d(2, 2, 1)
+    b.weight = a.weight
+    seq = sx.Sequential(a, sx.Tanh(), b)
+    x = torch.randn(2, 2, 3, 3)
+    h = a(x)
+    t = torch.tanh(h)
+    y = b(t)
+    m = torch.rand_like(y).reshape(2, -1)
+    w_b = b._jacobian_wrt_weight_sandwich(t, y, m, True, True)
+    m_t = b._jacobian_wrt_input_sandwich(t, y, m, True, True)
+    m_h = seq[1]._jacobian_wrt_input_sandwich(h, t, m_t, True, True)
+    w_a = a._jacobian_wrt_weight_sandwich(x, h, m_h, True, True)
+    # seq.parameters(): a.weight (= b.weight), a.bias, b.bias
+    expected_w = torch.cat([w_a[:, :4] + w_b[:, :4], w_a[:, 4:], w_b[:, 4:]], 1)
+    torch.testing.assert_close(
+        seq._jacobian_wrt_weight_sandwich(x, y, m, True, True), expected_w, **TOL
+    )
+    expected_in = a._jacobian_wrt_input_sandwich(x, h, m_h, True, True)
+    torch.testing.assert_close(
+        seq._jacobian_wrt_input_sandwich(x, y, m, True, True), expected_in, **TOL
+    )
+
+
+def test_container_sandwiches_leave_the_module_unchanged():
+    seq = _frozen_first_weight()
+    before = [(p, p.requires_grad) for p in seq.parameters()]
+    x = torch.randn(2, 2, 4, 4)
+    val = seq(x)
+    m = torch.rand_like(val).reshape(2, -1)
+    seq._jacobian_wrt_input_sandwich(x, val, m, True, True)
+    seq._jacobian_wrt_weight_sandwich(x, val, m, True, True)
+    assert [(p, p.requires_grad) for p in seq.parameters()] == before
+    assert all(p.grad is None for p in seq.parameters())
+    assert not x.requires_grad
+
+
+def test_container_sandwiches_and_inference_mode():
+    # The containers' sandwiches run the engine, which needs autograd: refused with a remedy
+    # under inference_mode; tensors made there are fine outside it.
+    seq = sx.Sequential(sx.Conv2d(2, 3, 3, padding=1), sx.Tanh())
+    x = torch.randn(2, 2, 4, 4)
+    val = seq(x)
+    m = torch.rand_like(val).reshape(2, -1)
+    expected = seq._jacobian_wrt_input_sandwich(x, val, m, True, True)
+    with torch.inference_mode():
+        x_inf, m_inf = x.clone(), m.clone()
+        with pytest.raises(RuntimeError, match=r"outside the inference_mode block"):
+            seq._jacobian_wrt_input_sandwich(x_inf, val, m_inf, True, True)
+    got = seq._jacobian_wrt_input_sandwich(x_inf, val, m_inf, True, True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
