@@ -25,7 +25,6 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ pro
         BridgeDirichlet,
         LaplaceBridge,
         TopK,
-        bridge_predictive,
         dirichlet_to_gaussian,
         laplace_bridge,
     )
@@ -36,6 +35,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ pro
         DiagBackprop,
         GridSearchResult,
         SegmentationPrediction,
+        bridge_predictive,
         gridsearch_prior_precision,
         predict,
     )
@@ -61,7 +61,6 @@ _LAZY: dict[str, str] = {
     "BridgeDirichlet": "lsn_ext.bridge",
     "LaplaceBridge": "lsn_ext.bridge",
     "TopK": "lsn_ext.bridge",
-    "bridge_predictive": "lsn_ext.bridge",
     "dirichlet_to_gaussian": "lsn_ext.bridge",
     "laplace_bridge": "lsn_ext.bridge",
     # the native engine and estimators (torch)
@@ -74,6 +73,7 @@ _LAZY: dict[str, str] = {
     "DiagBackprop": "lsn_ext.laplace_ext",
     "GridSearchResult": "lsn_ext.laplace_ext",
     "SegmentationPrediction": "lsn_ext.laplace_ext",
+    "bridge_predictive": "lsn_ext.laplace_ext",
     "gridsearch_prior_precision": "lsn_ext.laplace_ext",
     "predict": "lsn_ext.laplace_ext",
     # rules and losses

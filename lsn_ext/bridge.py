@@ -90,7 +90,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -102,7 +102,6 @@ __all__ = [
     "BridgeDirichlet",
     "LaplaceBridge",
     "TopK",
-    "bridge_predictive",
     "dirichlet_to_gaussian",
     "laplace_bridge",
 ]
@@ -678,77 +677,3 @@ def dirichlet_to_gaussian(alpha: Tensor, full: bool = False) -> tuple[Tensor, Te
         return mu, inv * (1 - 2 / K) + inv_sum / K**2
     cov = torch.diag_embed(inv) - (inv[:, :, None] + inv[:, None, :] - inv_sum[..., None] / K) / K
     return mu, cov
-
-
-# -- laplace-torch glue --------------------------------------------------------------------
-
-
-def bridge_predictive(
-    la: Any,
-    x: Tensor,
-    *,
-    variance: Literal["linearized", "mc"] = "linearized",
-    n_samples: int = 100,
-    generator: torch.Generator | None = None,
-    norm: Norm = None,
-    min_var: float | None = None,
-) -> BridgeDirichlet:
-    """Laplace-Bridge predictive of a fitted laplace-torch ``Laplace`` object.
-
-    - ``[N, K]`` models: ``(f_mu, f_var)`` is laplace-torch's GLM predictive (full ``[N, K, K]``
-      covariance, any backend and Hessian structure; ``la._glm_predictive_distribution``, the
-      same call as ``la(x, link_approx=...)``), so the zero-sum projection is exact.
-    - Segmentation ``[N, C, *]`` (``subset_of_weights="all"``, diagonal posterior, e.g. the
-      :class:`~lsn_ext.DiagBackprop` backend): per-pixel diagonal variances. With
-      ``variance="linearized"`` (default) from :func:`lsn_ext.linearized_variance` (one forward
-      pass; like DB it drops covariances between activations and is **biased low on trained
-      networks**, see the README), with ``variance="mc"`` the mean and variance of the logits
-      over ``n_samples`` posterior samples (moment matching of the sampling predictive).
-    - One logit channel (a BCE backend, sigmoid link): the logit ``f`` becomes the two logits
-      ``[−f/2, f/2]`` with covariance ``[[v, −v], [−v, v]]/4`` (exact: its softmax is
-      ``σ(f)``, and it is already zero-sum), so class 1 is the foreground.
-
-    Args:
-        la: A fitted laplace-torch ``Laplace`` object with a classification likelihood.
-        x: Inputs ``[N, ...]``.
-        variance: Per-pixel variance source for segmentation models (see above).
-        n_samples: Posterior samples for ``variance="mc"``.
-        generator: Random generator for ``variance="mc"``.
-        norm: See :class:`LaplaceBridge`.
-        min_var: See :class:`LaplaceBridge`.
-
-    Returns:
-        The :class:`BridgeDirichlet` (``probs``/``alpha`` in the logits' layout, ``[N, K, *]``).
-    """
-    from lsn_ext.forward import linearized_variance
-    from lsn_ext.laplace_ext import check_fitted, link_of, predict, trainable_params
-
-    check_fitted(la)
-    trainable_params(la)  # a parameter frozen or unfrozen since the fit is named
-    link = link_of(la)
-    if link == "identity":
-        raise ValueError("the Laplace Bridge needs a classification likelihood, not regression")
-    if variance not in ("linearized", "mc"):
-        raise ValueError(f"variance must be 'linearized' or 'mc', got {variance!r}")
-    bridge = LaplaceBridge(norm=norm, min_var=min_var)
-    with torch.no_grad():
-        out_dim = la.model(x[:1]).dim()
-    if out_dim == 2 and link == "softmax":
-        f_mu, f_var = la._glm_predictive_distribution(x)
-        return bridge(f_mu.detach(), f_var.detach())
-    if variance == "linearized":
-        f_mu, f_var = linearized_variance(la.model, x, la.posterior_variance)
-    else:
-        if n_samples < 2:
-            raise ValueError(f"n_samples must be at least 2, got {n_samples}")
-        moments = predict(la, x, n_samples, generator=generator)
-        f_mu, f_var = moments.logit_mean, moments.logit_variance
-    if link == "sigmoid":
-        if f_mu.shape[1] != 1:
-            raise ValueError(f"a sigmoid link needs one logit channel, got {f_mu.shape[1]}")
-        f_mu = torch.cat([-f_mu / 2, f_mu / 2], 1)
-        f_var = torch.cat([f_var / 4, f_var / 4], 1)
-        # A diagonal [v/4, v/4] would be projected to zero; the exact covariance has Σ1 = 0,
-        # so use μ and diag Σ as they are.
-        return LaplaceBridge(norm=norm, min_var=min_var, project=False)(f_mu, f_var)
-    return bridge(f_mu, f_var)

@@ -38,7 +38,6 @@ from lsn_ext.laplace_ext import (
     PRED_TYPES,
     DiagBackprop,
     SegmentationPrediction,
-    categorical_entropy,
     check_before_laplace_fit,
     check_choice,
     check_images,
@@ -46,7 +45,9 @@ from lsn_ext.laplace_ext import (
     glm_logits,
     predict,
 )
+from lsn_ext.links import categorical_entropy, inverse_link, link_of_channels
 from lsn_ext.models.ssn import SSN, SSNOutput
+from lsn_ext.moments import RunningMoments
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy, Loss
 from lsn_ext.rules.ssn_likelihood import ExpectedBCE, LogsumexpBCE
 
@@ -303,51 +304,26 @@ def fit_lsn(
 
 
 def _probabilities(logits: Tensor, dim: int = 1) -> Tensor:
-    if logits.shape[dim] == 1:
-        return torch.sigmoid(logits)
-    return torch.softmax(logits, dim)
-
-
-class _Welford:
-    """Running mean and variance of a stream of tensors (over the stream axis)."""
-
-    def __init__(self) -> None:
-        self.n, self.mean, self.m2 = 0, None, None
-
-    def add(self, batch: Tensor) -> None:
-        """Add samples ``[S, …]``."""
-        for p in batch:
-            self.n += 1
-            if self.mean is None:
-                self.mean, self.m2 = torch.zeros_like(p), torch.zeros_like(p)
-            delta = p - self.mean
-            self.mean += delta / self.n
-            self.m2 += delta * (p - self.mean)
-
-    @property
-    def variance(self) -> Tensor:
-        return self.m2 / (self.n - 1)
+    """Probabilities of logits with classes on ``dim``: one channel is a sigmoid, more a softmax."""
+    return inverse_link(logits, link_of_channels(logits.shape[dim]), dim)
 
 
 def _sample_prediction(logit_samples: Iterator[Tensor], n_samples: int) -> SegmentationPrediction:
     """Mean, variance, entropy and mutual information of the probabilities of logit samples."""
     if n_samples < 2:
         raise ValueError(f"n_samples must be at least 2 to estimate a variance, got {n_samples}")
-    stats, expected_entropy = _Welford(), None
-    for i, f in enumerate(logit_samples):
-        p = _probabilities(f)
-        link = "sigmoid" if f.shape[1] == 1 else "softmax"
-        stats.add(p.unsqueeze(0))
-        h = categorical_entropy(p, link)
-        expected_entropy = (
-            h if expected_entropy is None else expected_entropy + (h - expected_entropy) / (i + 1)
-        )
+    stats, expected_entropy = RunningMoments(), RunningMoments(None)
+    for f in logit_samples:
+        link = link_of_channels(f.shape[1])
+        p = inverse_link(f, link)
+        stats.add(p)
+        expected_entropy.add(categorical_entropy(p, link))
     entropy = categorical_entropy(stats.mean, link)
     return SegmentationPrediction(
         stats.mean,
         stats.variance,
         entropy,
-        (entropy - expected_entropy).clamp_min(0),
+        (entropy - expected_entropy.mean).clamp_min(0),
         n_samples,
     )
 
@@ -437,8 +413,8 @@ def aleatoric_maps(
     with _restored(ssn):
         ssn.eval()
         eta = ssn.distribution(x).rsample(n_samples, antithetic=False, generator=generator)
-    stats = _Welford()
-    stats.add(_probabilities(eta, dim=2))
+    stats = RunningMoments()
+    stats.extend(_probabilities(eta, dim=2))
     return stats.mean, stats.variance
 
 
@@ -588,11 +564,11 @@ def _predict_lsn(
     aleatoric_mean, aleatoric = aleatoric_maps(ssn, x, n_aleatoric, generator=gen(1))
     draws = _glm_distributions if pred_type == "glm" else _nn_distributions
     eta_gen = gen(2)
-    total = _Welford()
+    total = RunningMoments()
     for distribution in draws(la, ssn, x, n_epistemic, gen(0)):
         eta = distribution.rsample(n_aleatoric, antithetic=False, generator=eta_gen)
-        total.add(_probabilities(eta, dim=2))
-    link = "sigmoid" if ssn.num_classes == 1 else "softmax"
+        total.extend(_probabilities(eta, dim=2))
+    link = link_of_channels(ssn.num_classes)
     return LSNPrediction(
         epistemic,
         aleatoric_mean,

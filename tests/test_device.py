@@ -1,7 +1,7 @@
 """Device-agnostic code paths, checked on the CPU.
 
 Per-batch Monte-Carlo seeds (the CPU keeps hashing the batch's bytes; accelerators use
-:func:`lsn_ext.laplace_ext.batch_digest`, computed on the device), the curvature checks that
+:func:`lsn_ext.laplace_ext.digest.batch_digest`, computed on the device), the curvature checks that
 synchronise once per batch instead of once per parameter, and the box corruptions. The CUDA runs
 are in ``tests/test_gpu.py``.
 """
@@ -11,7 +11,6 @@ import hashlib
 import pytest
 import torch
 
-from lsn_ext import laplace_ext
 from lsn_ext.engine import (
     all_finite,
     check_db_diagonals,
@@ -19,11 +18,13 @@ from lsn_ext.engine import (
     round_off,
     sum_tolerance,
 )
-from lsn_ext.laplace_ext import DiagBackprop, batch_digest
+from lsn_ext.laplace_ext import digest as digest_module
+from lsn_ext.laplace_ext.backend import DiagBackprop
+from lsn_ext.laplace_ext.digest import batch_digest
 from lsn_ext.metrics import black_box, noise_box, sample_boxes
 from lsn_ext.models import UNet
 
-PRIMES = [p for p, _, _ in laplace_ext.DIGEST_LCGS]
+PRIMES = [p for p, _, _ in digest_module.DIGEST_LCGS]
 
 
 def test_cpu_batch_seed_is_the_hash_of_the_batch_bytes():
@@ -51,7 +52,7 @@ def test_fingerprint_is_exact_and_tells_batches_apart(monkeypatch):
     # the values in logical order, whatever the memory layout
     assert torch.equal(batch_digest(x.transpose(0, 2).contiguous().transpose(0, 2)), fp)
     # integer sums: chunking (the reduction order) does not change the result
-    monkeypatch.setattr(laplace_ext, "DIGEST_LCGS_CHUNK", 4)
+    monkeypatch.setattr(digest_module, "DIGEST_LCGS_CHUNK", 4)
     assert torch.equal(batch_digest(x), fp)
     monkeypatch.undo()
     ulp = x.clone()

@@ -9,7 +9,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lsn_ext import BCEWithLogits, CrossEntropy, diag_backprop, ggn_diagonal
 from lsn_ext.data import synthetic_lesions
-from lsn_ext.laplace_ext import DiagBackprop, gridsearch_prior_precision, predict
+from lsn_ext.laplace_ext.backend import DiagBackprop
+from lsn_ext.laplace_ext.gridsearch import gridsearch_prior_precision
+from lsn_ext.laplace_ext.predictive import predict
 from lsn_ext.models import UNet
 from tests.model_state import assert_unchanged, snapshot
 

@@ -35,7 +35,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lsn_ext import DiagBackprop, VariationalPosterior, bridge_predictive
 from lsn_ext.estimators import ggn_diagonal
 from lsn_ext.exact import mc_ggn_diagonal
-from lsn_ext.laplace_ext import check_before_laplace_fit, gridsearch_prior_precision, predict
+from lsn_ext.laplace_ext.checks import check_before_laplace_fit
+from lsn_ext.laplace_ext.gridsearch import gridsearch_prior_precision
+from lsn_ext.laplace_ext.predictive import predict
 from lsn_ext.lsn import (
     aleatoric_maps,
     ensemble_predict,
