@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
-from _common import machine, run_units
+from harness import machine, run_units
 from stats import fmt
 
 from lsn_ext import demo

@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from _common import machine
+from harness import machine
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 

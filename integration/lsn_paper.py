@@ -70,7 +70,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import machine
+from harness import machine
 from stats import fmt, mean_ci
 
 from lsn_ext import BCEWithLogits, DiagBackprop, gridsearch_prior_precision, predict

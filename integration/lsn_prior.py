@@ -51,7 +51,7 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
-from _common import machine, run_units
+from harness import machine, run_units
 from stats import fmt, mean_ci
 
 from lsn_ext import demo, gridsearch_prior_precision, predict

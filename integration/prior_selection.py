@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
 import uncertainty_benchmark as ub
-from _common import machine
+from harness import machine
 from stats import fmt, paired, percentile_bootstrap
 
 from lsn_ext.metrics import auroc

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
 import uncertainty_benchmark as ub
-from _common import machine, run_units
+from harness import machine, run_units
 from stats import fmt
 
 from lsn_ext.lsn import aleatoric_maps

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lsn_paper as lp
-from _common import machine
+from harness import machine
 from stats import fmt, percentile_bootstrap
 from stats import paired as stats_paired
 

@@ -117,7 +117,7 @@ def test_sdist_carries_licences_docs_and_data(dists):
     top = {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "MANIFEST.in", "dev"}
     assert not top - dists["sdist"]
     assert not {f"lsn_ext/data/nuclei_files/{f}" for f in DATA} - dists["sdist"]
-    assert "integration/_common.py" in dists["sdist"]
+    assert "integration/harness.py" in dists["sdist"]
     examples = {p.relative_to(ROOT).as_posix() for p in (ROOT / "examples").glob("*.py")}
     assert {"examples/monai_3d.py", "examples/laplace_quickstart.py"} <= examples
     assert not examples - dists["sdist"]

@@ -32,27 +32,23 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import report
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import lsn_ext  # noqa: E402
-from lsn_ext.data import nuclei_patches, random_flips  # noqa: E402
-from lsn_ext.exact import exact_ggn_diagonal  # noqa: E402
-from tests.real_networks import REAL_NETWORKS, RealNetwork  # noqa: E402
+import lsn_ext
+from integration import harness
+from integration.harness import report
+from lsn_ext.data import nuclei_patches, random_flips
+from lsn_ext.exact import exact_ggn_diagonal
+from tests.real_networks import REAL_NETWORKS, RealNetwork
 
 THREADS = 1
-RESULTS = ROOT / "integration" / "results" / "bench_real_networks.md"
+RESULTS = harness.RESULTS / "bench_real_networks.md"
 STEPS, LR, BATCH, MC_SEEDS = 300, 3e-3, 16, 8
 QUICK = ("monai-dynunet-2d", "nnunet-plainconvunet-2d", "monai-unet-3d")
 

@@ -1,14 +1,14 @@
-"""``integration/bench_speed.py --quick``: every method × network row, finite positive ratios."""
+"""``bench_speed --quick``: every method × network row, finite positive ratios."""
 
 import math
 import re
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "integration" / "bench_speed.py"
+from integration.benchmarks import bench_speed as bench
+from integration.harness import script_command, script_env
+
 METHODS = (
     "training step",
     "lsn_ext DB",
@@ -32,7 +32,8 @@ def _rows(section: str) -> list[list[str]]:
 def report() -> str:
     # A subprocess: the script runs in float32, the suite's default dtype is float64.
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--quick", "--threads", "1"],
+        script_command(bench.__name__, "--quick", "--threads", "1"),
+        env=script_env(),
         capture_output=True,
         text=True,
         check=True,
@@ -83,15 +84,7 @@ def test_header_records_torch_threads_device_and_load(report):
     assert re.search(r"Code: [0-9a-f]{7,}", header)
 
 
-@pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # bench_speed imports bench_db
-    from tests.scripts import load_script
-
-    yield from load_script("bench_speed")
-
-
-def test_time_cases_pool_their_processes_and_keep_each_median(bench, monkeypatch):
+def test_time_cases_pool_their_processes_and_keep_each_median(monkeypatch):
     runs = iter(
         [
             {"train": {"times": [1.0, 1.0], "ratios": [1.0, 1.0]},

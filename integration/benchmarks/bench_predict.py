@@ -13,24 +13,19 @@ Run: ``./dev bench predict [--quick]``; writes ``integration/results/bench_predi
 from __future__ import annotations
 
 import multiprocessing
-import resource
-import sys
 import time
-from pathlib import Path
 
 import torch
 from laplace import Laplace
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import quick_benchmark_main
-
 import lsn_ext
+from integration import harness
+from integration.harness import maxrss_bytes, quick_benchmark_main
 from lsn_ext.models import UNet
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_predict.md"
+RESULTS = harness.RESULTS / "bench_predict.md"
 
 
 def _network(name: str) -> tuple[nn.Module, torch.Tensor]:
@@ -58,11 +53,11 @@ def _measure(args: tuple[str, str, int]) -> dict:
         backend_kwargs={"loss": "bce"},
     )
     la.fit(DataLoader(TensorDataset(x, y), batch_size=16))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    before = maxrss_bytes() / 2**20
     t0 = time.perf_counter()
     lsn_ext.predict(la, x, n, pred_type=pred_type, generator=torch.Generator().manual_seed(0))
     seconds = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    after = maxrss_bytes() / 2**20
     return {"params": la.n_params, "seconds": seconds, "added_mb": after - before}
 
 

@@ -2,8 +2,10 @@
 
 Run from the repository root::
 
-    .venv/bin/python integration/bench_bridge.py            # ~3-5 minutes on 2 cores
-    .venv/bin/python integration/bench_bridge.py --quick    # a smoke run
+    ./dev bench bridge            # ~3-5 minutes on 2 cores
+    ./dev bench bridge --quick    # a smoke run
+
+or ``.venv/bin/python -m integration.benchmarks.bench_bridge [--quick]``.
 
 Three parts, all printed as Markdown and written to ``integration/results/bench_bridge.md``:
 
@@ -37,10 +39,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from integration import harness
 from lsn_ext.bridge import laplace_bridge
 
 THREADS = 2
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_bridge.md"
+RESULTS = harness.RESULTS / "bench_bridge.md"
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 REPEATS = {10: 5, 100: 3, 1000: 2}  # timed runs of MC(S), after one warm-up run
 

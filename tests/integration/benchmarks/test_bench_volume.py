@@ -1,12 +1,11 @@
-"""integration/bench_volume.py --quick: the 3-D Laplace workflow runs and its report is sound."""
+"""``bench_volume --quick``: the 3-D Laplace workflow runs and its report is sound."""
 
 import re
 import subprocess
-import sys
 
 import pytest
 
-from tests.scripts import INTEGRATION
+from integration.harness import script_command, script_env
 
 pytest.importorskip("monai", reason="MONAI's BasicUNet is the benchmark's network")
 
@@ -15,7 +14,8 @@ pytest.importorskip("monai", reason="MONAI's BasicUNet is the benchmark's networ
 def report(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("bench_volume")
     subprocess.run(
-        [sys.executable, str(INTEGRATION / "bench_volume.py"), "--quick", "--out", str(out)],
+        script_command("integration.benchmarks.bench_volume", "--quick", "--out", str(out)),
+        env=script_env(),
         check=True,
         capture_output=True,
         timeout=600,

@@ -1,19 +1,14 @@
-"""``integration/bench_predict.py --quick``: the table of time and memory per row comes back."""
+"""``bench_predict --quick``: the table of time and memory per row comes back."""
 
 import re
 
 import pytest
 
-from tests.scripts import load_script
-
-
-@pytest.fixture(scope="module")
-def bench():
-    yield from load_script("bench_predict")
+from integration.benchmarks import bench_predict as bench
 
 
 @pytest.mark.slow
-def test_quick_run_measures_every_row(bench):
+def test_quick_run_measures_every_row():
     table = bench.run(quick=True)
     rows = [line for line in table.splitlines() if line.startswith("| small CNN")]
     assert len(rows) == 4  # nn and glm, two sample counts

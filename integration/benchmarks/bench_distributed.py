@@ -22,7 +22,7 @@ Assumed, not measured: a sustained 15 TFLOP/s (optimistic) or 2 TFLOP/s (pessimi
 8–16-channel levels at 128³ are memory-bound) per GPU for these float32 convolutions (an H100's
 float32 peak without tensor cores is about 67 TFLOP/s) and an all-reduce bandwidth of 100 GB/s
 per GPU (NVLink ring). The result is a planning figure, not a measurement: run
-``integration/distributed_fit.py`` under ``torchrun`` on the target machine for a real one.
+``integration/checks/distributed_fit.py`` under ``torchrun`` on the target machine for a real one.
 """
 
 from __future__ import annotations
@@ -33,21 +33,21 @@ import socket
 import statistics
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _common import report
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import lsn_ext
+from integration import harness
+from integration.harness import report
 from lsn_ext.data import nuclei_patches
 from lsn_ext.models import UNet
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_distributed.md"
+RESULTS = harness.RESULTS / "bench_distributed.md"
 # Sustained float32 throughput per GPU: optimistic (compute-bound) and pessimistic (the thin
 # 8-16-channel levels at 128³ are memory-bound).
 GPU_FLOPS = (15e12, 2e12)

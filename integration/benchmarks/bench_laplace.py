@@ -13,22 +13,21 @@ to ``integration/results/bench_laplace.md``.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from laplace import Laplace
 from torch.utils.data import DataLoader, TensorDataset
 
+from integration import harness
+from integration.harness import script_command, script_env
 from lsn_ext import DiagBackprop
 from lsn_ext.data import synthetic_lesions
 from lsn_ext.models import UNet
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = harness.RESULTS
 
 
 def _data(n: int, size: int) -> TensorDataset:
@@ -121,23 +120,16 @@ def builtin_backends(n_images: int, size: int, limit: int) -> str:
         "|---|---|",
     ]
     for name in BUILTIN:
-        cmd = [
-            sys.executable,
-            __file__,
-            "--worker",
-            name,
-            "--images",
-            str(n_images),
-            "--size",
-            str(size),
-        ]
+        cmd = script_command(
+            __spec__.name, "--worker", name, "--images", str(n_images), "--size", str(size)
+        )
         try:
             out = subprocess.run(
                 cmd,
                 capture_output=True,
                 text=True,
                 timeout=limit,
-                env={**os.environ, "PYTHONWARNINGS": "ignore"},
+                env=script_env(PYTHONWARNINGS="ignore"),
             )
             result = next(
                 (

@@ -2,10 +2,10 @@
 
 Run from the repository root::
 
-    .venv/bin/python integration/bench_accuracy.py           # ~8-10 minutes on 2 cores
-    .venv/bin/python integration/bench_accuracy.py --quick   # a smoke run (< 1 minute)
+    ./dev bench accuracy           # ~8-10 minutes on 2 cores
+    ./dev bench accuracy --quick   # a smoke run (< 1 minute)
 
-or as ``./dev bench accuracy [--quick]``.
+or ``.venv/bin/python -m integration.benchmarks.bench_accuracy [--quick]``.
 
 Data: the real nuclei image (``lsn_ext.data.nuclei_patches``), 32×32 patches with stride 16
 (16×16 in ``--quick``); training uses random flips. Cases:
@@ -51,14 +51,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import quick_benchmark_main
 from scipy.stats import spearmanr
 from torch import Tensor, nn
 
+from integration import harness
 from lsn_ext import BCEWithLogits, CrossEntropy, Loss, ggn_diagonal
 from lsn_ext.data import nuclei_patches, random_flips
 from lsn_ext.exact import exact_ggn_diagonal
@@ -67,7 +66,7 @@ from lsn_ext.models import UNet
 # One thread: the machine's two cores are shared with other jobs, and two OpenMP threads that
 # wait for a busy core are several times slower than one.
 THREADS = 1
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_accuracy.md"
+RESULTS = harness.RESULTS / "bench_accuracy.md"
 LR, BATCH = 3e-3, 16
 # Label → (estimator, Monte-Carlo vectors k).
 ESTIMATORS = {
@@ -469,7 +468,7 @@ def run(quick: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    quick_benchmark_main(
+    harness.quick_benchmark_main(
         __doc__, "## Accuracy of the GGN-diagonal estimators", run, RESULTS, THREADS, argv
     )
 

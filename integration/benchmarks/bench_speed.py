@@ -27,10 +27,10 @@ each ratio pairs two calls made one after the other; the table gives the median 
 median of the paired ratios method / training step. A method whose warm-up took more than
 ``SLOW`` training steps is timed in the first ``--slow-reps`` repetitions only.
 
-Networks: the LSN paper's U-Net (``bench_db``'s, 3 → 1 channels, BCE) at 64² and 128², batch 8;
-MONAI ``BasicUNet`` with its default features (32, 32, 64, 128, 256, 32), instance norm and
-LeakyReLU, 1 → 2 channels, cross-entropy, 2-D at 128² (batch 8) and 3-D at 64³ (batch 1). All in
-eval mode (for these networks the same computation as train mode: no batch norm, no dropout).
+Networks: the LSN paper's U-Net (``harness.paper_unet``, 3 → 1 channels, BCE) at 64² and 128²,
+batch 8; MONAI ``BasicUNet`` with its default features (32, 32, 64, 128, 256, 32), instance norm
+and LeakyReLU, 1 → 2 channels, cross-entropy, 2-D at 128² (batch 8) and 3-D at 64³ (batch 1). All
+in eval mode (for these networks the same computation as train mode: no batch norm, no dropout).
 
 **Memory.** Peak memory above the baseline (model, optimizer state, data, after a warm-up) of one
 call, relative to a training step's, for the training step, DB and MC(1) on the 3-D BasicUNet,
@@ -38,7 +38,7 @@ batch 1. Each number comes from a fresh process that builds the model, warms up 
 call at full size, frees the gradients and then measures one call: on CPU the kernel's peak-RSS
 counter (VmHWM) is reset through ``/proc/self/clear_refs`` and the peak is VmHWM after the call
 minus the RSS before it (glibc set to return freed memory, so that the RSS follows the live
-tensors; as in ``bench_db``); on CUDA ``torch.cuda.max_memory_allocated`` minus
+tensors; ``harness.MALLOC_ENV``); on CUDA ``torch.cuda.max_memory_allocated`` minus
 ``memory_allocated`` before the call.
 
 Targets (issue 28), printed beside the measured ratios: MC(1) ≤ 1.3 × a step on the paper's
@@ -62,13 +62,23 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from _common import machine
-from bench_db import _batch, _hwm_bytes, _paper_unet, _reset_peak, _rss_bytes
 from torch import nn
 
 import lsn_ext
+from integration import harness
+from integration.harness import (
+    MALLOC_ENV,
+    hwm_bytes,
+    machine,
+    paper_unet,
+    random_batch,
+    reset_peak,
+    rss_bytes,
+    script_command,
+    script_env,
+)
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_speed.md"
+RESULTS = harness.RESULTS / "bench_speed.md"
 SLOW = 8.0  # warm-up longer than this many training steps: timed in --slow-reps repetitions
 LR = 1e-6  # Adam's step size: the weights barely move over the repetitions
 QUICK_FEATURES = (4, 4, 8, 8, 16, 4)
@@ -134,8 +144,8 @@ class Case:
         """Model (seed 0, eval mode), inputs and targets, on the device, float32."""
         torch.manual_seed(0)
         if self.net == "unet":
-            model = _paper_unet()
-            x, y = _batch(self.batch, self.size)
+            model = paper_unet()
+            x, y = random_batch(self.batch, self.size)
         else:
             from monai.networks.nets import BasicUNet
 
@@ -316,17 +326,18 @@ def _run_time_worker(case: Case, reps: int, slow_reps: int, shown: set[str]) -> 
     return result
 
 
-def _worker(flag: str, spec: dict, env: dict[str, str] | None = None) -> tuple[list[str], dict]:
-    """Run this script as a worker (``flag`` with ``spec`` as JSON) in a fresh process.
+def _worker(flag: str, spec: dict, extra_env: dict[str, str] | None = None) -> tuple[list, dict]:
+    """Run this script as a worker (``flag`` with ``spec`` as JSON) in a fresh process, with
+    ``extra_env`` added to its environment.
 
     Returns the lines it printed before its last, and its last line parsed as JSON.
 
     Raises:
         RuntimeError: The worker failed, with its standard error.
     """
-    cmd = [sys.executable, str(Path(__file__).resolve()), flag, json.dumps(spec)]
+    cmd = script_command(__spec__.name, flag, json.dumps(spec))
     cmd += ["--threads", str(torch.get_num_threads())]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=script_env(**(extra_env or {})))
     if out.returncode != 0:
         raise RuntimeError(f"worker {flag} {spec} failed:\n{out.stderr}")
     *lines, last = out.stdout.strip().splitlines()
@@ -396,18 +407,17 @@ def memory_worker(case: Case, method: str) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
     else:
-        if not _reset_peak():
+        if not reset_peak():
             raise RuntimeError("peak memory on CPU needs /proc/self/clear_refs (Linux ≥ 4.0)")
-        base = _rss_bytes()
+        base = rss_bytes()
         call()
-        peak = _hwm_bytes()
+        peak = hwm_bytes()
     return {"baseline": base, "peak_increase": peak - base}
 
 
 def _measure_memory(case: Case, method: str) -> dict:
-    # As in bench_db: a fixed mmap threshold and trimming make the RSS follow live tensors.
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    return _worker("--_memory-worker", {**asdict(case), "method": method}, env)[1]
+    # harness.MALLOC_ENV: a fixed mmap threshold and trimming make the RSS follow live tensors
+    return _worker("--_memory-worker", {**asdict(case), "method": method}, MALLOC_ENV)[1]
 
 
 def memory_table(cases: list[Case]) -> str:
@@ -461,8 +471,7 @@ def _case(text: str) -> tuple[str, int, int, int]:
 
 def _revision() -> str:
     """The checkout's commit, and whether tracked code outside the results differs from it."""
-    root = Path(__file__).resolve().parent.parent
-    git = ["git", "-C", str(root)]
+    git = ["git", "-C", str(harness.ROOT)]
     try:
         commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()  # fmt: skip

@@ -3,9 +3,11 @@ against the exact GGN diagonal.
 
 Run from the repository root::
 
-    .venv/bin/python integration/bench_db.py            # all parts, ~6-8 minutes on 2 cores
-    .venv/bin/python integration/bench_db.py --quick    # tiny sizes, a smoke run
-    .venv/bin/python integration/bench_db.py --part a   # only the cost tables
+    ./dev bench db            # all parts, ~6-8 minutes on 2 cores
+    ./dev bench db --quick    # tiny sizes, a smoke run
+    ./dev bench db --part a   # only the cost tables
+
+or ``.venv/bin/python -m integration.benchmarks.bench_db [...]``.
 
 Part (a): the LSN paper's U-Net (5 levels, 8-16-32-64-128, two 3×3 conv + tanh per block,
 3 → 1 channels, batch 8, BCE, float32) at 64², 128², 256²: median wall time and peak memory of a
@@ -17,7 +19,7 @@ Part (b): a 3-level U-Net (8-16-32, tanh, float64, random init, batch 2) at 16²
 
 Part (c): the same U-Net at 64² and 128²: time and peak memory of the Monte-Carlo and calibrated
 estimators (:func:`lsn_ext.ggn_diagonal`) beside DB, relative to a training step. Their accuracy
-on trained networks is measured by ``integration/bench_accuracy.py``.
+on trained networks is measured by ``integration/benchmarks/bench_accuracy.py``.
 
 The tables are printed and written to ``integration/results/bench_db.md``.
 """
@@ -28,42 +30,40 @@ import argparse
 import gc
 import json
 import math
-import os
-import resource
 import statistics
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
-from _common import machine
 from torch import nn
 
+from integration import harness
+from integration.harness import (
+    MALLOC_ENV,
+    hwm_bytes,
+    machine,
+    maxrss_bytes,
+    paper_unet,
+    random_batch,
+    reset_peak,
+    rss_bytes,
+    script_command,
+    script_env,
+    timed,
+)
 from lsn_ext.engine import diag_backprop
 from lsn_ext.estimators import ggn_diagonal
 from lsn_ext.exact import exact_ggn_diagonal, flatten_diagonals, mc_ggn_diagonal
 from lsn_ext.models import UNet
 
 THREADS = 2
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_db.md"
+RESULTS = harness.RESULTS / "bench_db.md"
 WARMUP_SIZE = 16  # the memory worker's warm-up runs at this size, far below the measured peak
 
 
 # --------------------------------------------------------------------------------------------
 # Part (a): cost
 # --------------------------------------------------------------------------------------------
-
-
-def _paper_unet() -> nn.Module:
-    return UNet(3, 1, widths=(8, 16, 32, 64, 128), activation=nn.Tanh, convs_per_block=2)
-
-
-def _batch(batch: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(batch, 3, size, size, generator=g)
-    y = (torch.rand(batch, 1, size, size, generator=g) > 0.5).float()
-    return x, y
 
 
 def _train_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -87,36 +87,6 @@ def _calibrated_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None
 METHODS = {"train": _train_step, "db": _db_step, "mc": _mc_step, "db_calibrated": _calibrated_step}
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _hwm_bytes() -> int | None:
-    """VmHWM: the peak RSS of this address space (the counter ``ru_maxrss`` is built on)."""
-    try:
-        with open("/proc/self/status") as f:
-            line = next(ln for ln in f if ln.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return None
-    return int(line.split()[1]) * 1024
-
-
-def _reset_peak() -> bool:
-    """Reset VmHWM to the current RSS via ``/proc/self/clear_refs`` (Linux ≥ 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    hwm = _hwm_bytes()
-    return hwm is not None and hwm <= _rss_bytes() + 2**20
-
-
 def memory_worker(method: str, size: int, batch: int) -> dict:
     """Peak memory of one op, in a fresh process (run as ``--_memory-worker``).
 
@@ -132,46 +102,37 @@ def memory_worker(method: str, size: int, batch: int) -> dict:
     """
     torch.set_num_threads(THREADS)
     torch.manual_seed(0)
-    model = _paper_unet()
+    model = paper_unet()
     fn = METHODS[method]
-    x, y = _batch(batch, size)
-    can_reset = _reset_peak()
+    x, y = random_batch(batch, size)
+    can_reset = reset_peak()
     if can_reset:
         fn(model, x, y)
     else:
-        fn(model, *_batch(1, WARMUP_SIZE))
+        fn(model, *random_batch(1, WARMUP_SIZE))
     model.zero_grad(set_to_none=True)
     gc.collect()
-    peak = _hwm_bytes if can_reset and _reset_peak() else _maxrss_bytes
-    base, max_before = _rss_bytes(), peak()
+    peak = hwm_bytes if can_reset and reset_peak() else maxrss_bytes
+    base, max_before = rss_bytes(), peak()
     fn(model, x, y)
     max_after = peak()
     return {
-        "counter": "VmHWM after clear_refs" if peak is _hwm_bytes else "ru_maxrss",
+        "counter": "VmHWM after clear_refs" if peak is hwm_bytes else "ru_maxrss",
         "baseline": base,
         "max_before": max_before,
         "max_after": max_after,
-        "ru_maxrss_after": _maxrss_bytes(),
+        "ru_maxrss_after": maxrss_bytes(),
         "peak_increase": max_after - base,
         "valid": max_after > max_before,
     }
 
 
 def _measure_memory(method: str, size: int, batch: int) -> dict:
-    cmd = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--_memory-worker",
-        method,
-        str(size),
-        str(batch),
-    ]
-    # glibc's dynamic mmap threshold would keep the warm-up's freed blocks in the heap, where
-    # the measured op reuses them without raising the RSS (peaks 30-40% too low at 128²); a
-    # fixed threshold and trimming make the RSS follow the live allocations (torch's CPU
-    # allocator does not cache).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    cmd = script_command(__spec__.name, "--_memory-worker", method, str(size), str(batch))
+    # MALLOC_ENV: the RSS follows the live allocations (harness.MALLOC_ENV says why)
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, check=True, env=script_env(**MALLOC_ENV)
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -203,11 +164,11 @@ def _time(model, x, y, reps: int, methods: tuple[str, ...] = ("train", "db")) ->
 def part_a(sizes: list[int], batch: int, reps: dict[int, int]) -> str:
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)
-    model = _paper_unet()
+    model = paper_unet()
     n_params = sum(p.numel() for p in model.parameters())
     rows, times, mems = [], {}, {}
     for size in sizes:
-        x, y = _batch(batch, size)
+        x, y = random_batch(batch, size)
         t = _time(model, x, y, reps[size])
         mem = {m: _measure_memory(m, size, batch) for m in ("train", "db")}
         reset = all(v["counter"] != "ru_maxrss" for v in mem.values())
@@ -280,11 +241,11 @@ def part_c(sizes: list[int], batch: int, reps: dict[int, int]) -> str:
     """Cost of the Monte-Carlo and calibrated estimators beside DB and a training step."""
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)
-    model = _paper_unet()
+    model = paper_unet()
     estimators = ("db", "mc", "db_calibrated")
     rows = []
     for size in sizes:
-        x, y = _batch(batch, size)
+        x, y = random_batch(batch, size)
         t = _time(model, x, y, reps[size], ("train", *estimators))
         mem = {m: _measure_memory(m, size, batch) for m in ("train", *estimators)}
         mib = {m: v["peak_increase"] / 2**20 for m, v in mem.items()}
@@ -337,12 +298,6 @@ def _format(m: list[float], std: list[float] | None = None) -> str:
     return " | ".join([*head, f"{m[3]:.2f} / {m[4]:.2f}", f"{m[5]:.2f} / {m[6]:.2f}"])
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
 def part_b(sizes: list[int], mc_draws: int) -> str:
     torch.set_default_dtype(torch.float64)
     configs = [
@@ -369,11 +324,11 @@ def part_b(sizes: list[int], mc_draws: int) -> str:
             else:
                 y = torch.randint(0, classes, (2, size, size), generator=g)
             if (size, loss) not in cache:  # the CE variants share model, data and exact diagonal
-                cache[size, loss] = _timed(lambda: exact_ggn_diagonal(model, x, y, loss))  # noqa: B023
+                cache[size, loss] = timed(lambda: exact_ggn_diagonal(model, x, y, loss))  # noqa: B023
             exact, t_exact = cache[size, loss]
             kw = {} if first is None else {"ce_first_step": first}
             runs = [
-                _timed(lambda: diag_backprop(model, x, y, loss, **kw).diagonals)  # noqa: B023
+                timed(lambda: diag_backprop(model, x, y, loss, **kw).diagonals)  # noqa: B023
                 for _ in range(5)
             ]
             db, t_db = runs[0][0], min(t for _, t in runs)
@@ -388,7 +343,7 @@ def part_b(sizes: list[int], mc_draws: int) -> str:
             mc_m, mc_t = [], []
             for seed in range(mc_draws):
                 gen = torch.Generator().manual_seed(100 + seed)
-                mc, t_mc = _timed(
+                mc, t_mc = timed(
                     lambda gen=gen: mc_ggn_diagonal(model, x, y, loss, generator=gen)  # noqa: B023
                 )
                 mc_m.append(_metrics(model, mc, exact))

@@ -2,8 +2,10 @@
 
 Run from the repository root::
 
-    .venv/bin/python integration/bench_linearized.py           # ~1-2 minutes on 2 cores
-    .venv/bin/python integration/bench_linearized.py --quick   # a smoke run
+    ./dev bench linearized           # ~1-2 minutes on 2 cores
+    ./dev bench linearized --quick   # a smoke run
+
+or ``.venv/bin/python -m integration.benchmarks.bench_linearized [--quick]``.
 
 Model: ``lsn_ext.models.UNet`` (3 levels 8-16-32, 2 × (3×3 conv + tanh) per block, nearest
 upsampling, 3 → 1 channels, BCE), float32, 32×32 images from ``lsn_ext.data.synthetic_lesions``;
@@ -21,27 +23,19 @@ The table is printed and written to ``integration/results/bench_linearized.md``.
 
 from __future__ import annotations
 
-import time
-from pathlib import Path
-
 import torch
-from _common import quick_benchmark_main
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
+from integration import harness
+from integration.harness import quick_benchmark_main, timed
 from lsn_ext.data import synthetic_lesions
 from lsn_ext.engine import diag_backprop
 from lsn_ext.forward import linearized_variance
 from lsn_ext.models import UNet
 
 THREADS = 2
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_linearized.md"
-
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
+RESULTS = harness.RESULTS / "bench_linearized.md"
 
 
 def train(model: nn.Module, x: Tensor, y: Tensor, steps: int, batch: int = 16) -> float:
@@ -144,13 +138,13 @@ def run(quick: bool) -> str:
         if state != "random init":
             loss = train(model, x_train, y_train, steps)
             state += f" (BCE {loss:.3f})"
-        db, t_db = _timed(lambda: db_diagonal(model, x_train, y_train))
+        db, t_db = timed(lambda: db_diagonal(model, x_train, y_train))
         variances = torch.stack([1.0 / (db + prior) for prior in priors], 1)  # [P, k]
-        exact_all, t_exact = _timed(lambda: exact_variance(model, x_test, variances))  # noqa: B023
+        exact_all, t_exact = timed(lambda: exact_variance(model, x_test, variances))  # noqa: B023
         for k, prior in enumerate(priors):
             var = variances[:, k].contiguous()
-            (_, lin), t_lin = _timed(lambda: linearized_variance(model, x_test, var))  # noqa: B023
-            mc, t_mc = _timed(lambda: mc_variance(model, x_test, var, samples))  # noqa: B023
+            (_, lin), t_lin = timed(lambda: linearized_variance(model, x_test, var))  # noqa: B023
+            mc, t_mc = timed(lambda: mc_variance(model, x_test, var, samples))  # noqa: B023
             exact = exact_all[k]
             rows += [
                 f"| {state} | {prior:g} | forward DB vs exact | {compare(lin, exact)} "
