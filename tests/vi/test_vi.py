@@ -9,7 +9,7 @@ from torch.distributions import LowRankMultivariateNormal, MultivariateNormal
 
 import lsn_ext
 from lsn_ext.models import UNet
-from lsn_ext.rules.losses import MSE
+from lsn_ext.rules.losses import MSE, Loss
 from lsn_ext.vi import (
     GaussianMixture,
     StructuredGaussian,
@@ -337,3 +337,28 @@ def test_a_bad_batch_does_not_switch_the_posterior_to_the_slow_path():
 def test_a_rank_above_the_parameter_count_is_refused_before_allocating():
     with pytest.raises(ValueError, match=r"rank 1000000000 exceeds the number of parameters P = 4"):
         VariationalPosterior(nn.Linear(3, 1), "mse", rank=10**9)
+
+
+class _NoLink(Loss):
+    """A custom likelihood that names no predictive link (the base class's ``link = None``)."""
+
+
+LINKS = {
+    "bce": ("bce", "sigmoid"),
+    "ce": ("ce", "softmax"),
+    "mse-factor": (MSE(factor=0.5), "identity"),
+    "torch-bce": (nn.BCEWithLogitsLoss(reduction="sum"), "sigmoid"),
+}
+
+
+@pytest.mark.parametrize("case", LINKS.values(), ids=LINKS.keys())
+def test_link_comes_from_the_loss(case):
+    likelihood, link = case
+    assert VariationalPosterior(nn.Linear(3, 2), likelihood).link == link
+
+
+def test_a_loss_without_a_link_is_refused_as_before():
+    # A TypeError, as the posterior has always raised (lsn_ext.links.NoLinkError is also a
+    # ValueError, the predictives' type).
+    with pytest.raises(TypeError, match="no predictive link for loss _NoLink"):
+        VariationalPosterior(nn.Linear(3, 2), _NoLink())
