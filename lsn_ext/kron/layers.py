@@ -1,0 +1,237 @@
+r"""The two sides of KFAC for each weight-sharing layer: Linear, Conv1–3d, ConvTranspose1–3d.
+
+A weight ``W`` is seen as a matrix ``[R, D]``: ``R = W.shape[0]`` rows and
+``D = ∏ W.shape[1:]`` columns, the layout of laplace-torch's ``Kron`` (``kron(F_row, F_col)``
+over ``W.flatten()``). For each sample ``n`` and weight-sharing position ``t`` (a pixel, a voxel,
+a token) the layer pairs a *row vector* ``r_{n,t} ∈ ℝ^R`` with a *column vector*
+``c_{n,t} ∈ ℝ^{D}`` so that the gradient of a backward pass is
+
+.. math:: \nabla_W = \sum_{n,t} r_{n,t}\, c_{n,t}^\top .
+
+========================  ===================================  ===================================
+layer                     rows ``r`` (``R``)                   columns ``c`` (``D``)
+========================  ===================================  ===================================
+``Linear`` on ``[N,*,I]``  output gradient ``g[n, *, :]``        input ``x[n, *, :]``
+``ConvNd``                output gradient at output position   input patch at that position
+                          ``t``, ``g[n, :, t]``                (``C_in/groups · ∏k``, im2col)
+``ConvTransposeNd``       input ``x[n, :, t]`` at *input*       output gradient patch at ``t``:
+                          position ``t``                       ``g[n, o, t·s + k·d − p]`` over
+                                                               ``(o, k)`` (``C_out/groups · ∏k``)
+========================  ===================================  ===================================
+
+A transposed convolution scatters each input position ``t`` into an output patch through ``W``
+(``y[o, t·s + k·d − p] += W[c, o, k] x[c, t]``), so its weight-sharing positions are the *input*
+positions, its rows the inputs and its columns the im2col patches of the output gradient. This
+keeps ``W``'s own layout ``[C_in, C_out/groups, *k]`` (laplace-torch's ``Kron`` needs the factor
+of ``W.shape[0]`` first); the view of a transposed convolution as a convolution of the
+zero-stuffed input would put ``C_out`` first, a factorisation that ``W.flatten()`` cannot host.
+
+With ``groups > 1`` the rows of group ``j`` pair with the columns of group ``j`` only: the columns
+come as ``[N, T, groups, D]`` and the rows ``[N, T, R]`` split into ``groups`` consecutive
+blocks. KFAC keeps one column factor for all groups, the mean over groups of the per-group
+moments (curvlinops instead averages the patches over groups before the outer product, which
+scales the factor down by up to ``1/groups`` where groups are uncorrelated).
+
+Everything here is a view or a reshape; the moments are taken in :mod:`lsn_ext.kron.factors`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "CONV",
+    "KFAC_TYPES",
+    "TRANSPOSED",
+    "Columns",
+    "check_input",
+    "columns",
+    "describe",
+    "groups_of",
+    "output_rows",
+    "rows",
+]
+
+CONV: tuple[type[nn.Module], ...] = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED: tuple[type[nn.Module], ...] = (
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+)
+KFAC_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, *CONV, *TRANSPOSED)
+"""Exact classes with Kronecker factors (a subclass may compute something else in ``forward``)."""
+
+
+def describe(module: nn.Module, path: str) -> str:
+    """``'path' (Conv2d, weight [8, 3, 3, 3])`` for messages."""
+    weight = getattr(module, "weight", None)
+    shape = f", weight {list(weight.shape)}" if isinstance(weight, Tensor) else ""
+    return f"'{path}' ({type(module).__name__}{shape})"
+
+
+def _spatial(module: nn.Module, x: Tensor, path: str) -> int:
+    """Number of spatial dims of a convolution, checked against a batched input."""
+    d = len(module.kernel_size)
+    if x.dim() != d + 2:
+        raise ValueError(
+            f"{describe(module, path)} got an input of shape {tuple(x.shape)}: KFAC needs a "
+            f"batched input [N, C, {', '.join('*' * d)}] with the samples on dim 0"
+        )
+    return d
+
+
+def _conv_pads(module: nn.Module, d: int) -> list[tuple[int, int]]:
+    """``(left, right)`` zero or mode padding per spatial dim, as ``module`` pads its input."""
+    padding = module.padding
+    if padding == "valid":
+        return [(0, 0)] * d
+    if padding == "same":
+        pads = []
+        for k, dil in zip(module.kernel_size, module.dilation, strict=True):
+            total = dil * (k - 1)
+            pads.append((total // 2, total - total // 2))
+        return pads
+    return [(p, p) for p in padding]
+
+
+def _windows(
+    x: Tensor,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    pads: Sequence[tuple[int, int]],
+    mode: str = "zeros",
+) -> Tensor:
+    """im2col of ``x`` ``[N, C, *S]`` as a view ``[N, *O, C, *K]`` (after one padded copy).
+
+    ``out[n, o, c, k] = x_pad[n, c, o·s + k·d]``; negative pads crop.
+    """
+    d = len(kernel)
+    flat = [p for pair in reversed(pads) for p in pair]
+    if any(flat):
+        x = F.pad(x, flat, mode="constant" if mode == "zeros" else mode)
+    for i, (k, s, dil) in enumerate(zip(kernel, stride, dilation, strict=True)):
+        x = x.unfold(2 + i, dil * (k - 1) + 1, s)
+    # [N, C, *O, *W]: keep every dil-th tap of each window
+    taps = (slice(None),) * (2 + d) + tuple(slice(None, None, dil) for dil in dilation)
+    x = x[taps]
+    order = [0, *range(2, 2 + d), 1, *range(2 + d, 2 + 2 * d)]
+    return x.permute(order)
+
+
+@dataclass
+class Columns:
+    """The column vectors of one call as a view ``[N, *P, ...]`` (``*P``: the positions).
+
+    Attributes:
+        view: ``Linear``: the input ``[N, *tokens, I]`` (``[N, 1, I]`` for ``[N, I]``);
+            convolutions: the im2col view ``[N, *O, C_in, *k]``; transposed convolutions:
+            ``[N, *S_in, C_out, *k]`` of the output gradient.
+        dims: ``len(P)``, the weight-sharing dims after the batch.
+        groups: Channel groups (1 for ``Linear``).
+    """
+
+    view: Tensor
+    dims: int
+    groups: int
+
+    @property
+    def positions(self) -> int:
+        """Weight-sharing positions per sample, ``∏ P``."""
+        return math.prod(self.view.shape[1 : 1 + self.dims])
+
+    @property
+    def length(self) -> int:
+        """``P[0]``, the dim that :meth:`chunk` slices."""
+        return self.view.shape[1]
+
+    @property
+    def width(self) -> int:
+        """``groups · D``, the entries of one position."""
+        return math.prod(self.view.shape[1 + self.dims :])
+
+    def chunk(self, start: int, stop: int) -> Tensor:
+        """``[N, t, groups, D]`` for positions ``start:stop`` of ``P[0]`` (one copy)."""
+        part = self.view[:, start:stop]
+        return part.reshape(part.shape[0], -1, self.groups, self.width // self.groups)
+
+
+def columns(module: nn.Module, path: str, x: Tensor, g: Tensor | None = None) -> Columns:
+    """The column vectors of one call of ``module`` (see the module documentation).
+
+    Args:
+        module: A module of :data:`KFAC_TYPES`.
+        path: Its name in the model, for messages.
+        x: The module's input.
+        g: The gradient at the module's output (transposed convolutions only: their columns
+            come from it).
+    """
+    if type(module) is nn.Linear:
+        view = x.unsqueeze(1) if x.dim() == 2 else x
+        return Columns(view, view.dim() - 2, 1)
+    d = _spatial(module, x, path)
+    if type(module) in CONV:
+        mode = "zeros" if module.padding_mode == "zeros" else module.padding_mode
+        pads = _conv_pads(module, d)
+        view = _windows(x, module.kernel_size, module.stride, module.dilation, pads, mode)
+        return Columns(view, d, module.groups)
+    if g is None:
+        raise ValueError(f"{describe(module, path)}: a transposed convolution's columns need g")
+    # y[o, t·s + k·d − p] gets W[c, o, k] x[c, t]: the output-gradient patch of input position
+    # t starts at t·s − p. The output ends `extra` (output_padding, or what output_size= asked
+    # for) beyond (S_in − 1)·s − 2p + d(k − 1) + 1, i.e. p − extra short of the last patch.
+    pads = []
+    for i, (k, s, dil, p) in enumerate(
+        zip(module.kernel_size, module.stride, module.dilation, module.padding, strict=True)
+    ):
+        extra = g.shape[2 + i] - ((x.shape[2 + i] - 1) * s - 2 * p + dil * (k - 1) + 1)
+        pads.append((p, p - extra))
+    view = _windows(g, module.kernel_size, module.stride, module.dilation, pads)
+    if tuple(view.shape[1 : 1 + d]) != tuple(x.shape[2:]):
+        raise ValueError(
+            f"{describe(module, path)}: input {tuple(x.shape)} and output gradient "
+            f"{tuple(g.shape)} do not fit a transposed convolution with this module's settings"
+        )
+    return Columns(view, d, module.groups)
+
+
+def rows(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:
+    """The row vectors ``[N, T, R]``: the output gradient, or a transposed conv's input."""
+    if type(module) is nn.Linear:
+        return g.reshape(g.shape[0], -1, g.shape[-1])
+    v = x if type(module) in TRANSPOSED else g
+    return v.flatten(2).transpose(1, 2)
+
+
+def output_rows(module: nn.Module, g: Tensor) -> Tensor:
+    """The output gradient per output position ``[N, T_out, C_out]`` (the bias's vectors)."""
+    if type(module) is nn.Linear:
+        return g.reshape(g.shape[0], -1, g.shape[-1])
+    return g.flatten(2).transpose(1, 2)
+
+
+def groups_of(module: nn.Module) -> int:
+    """The channel groups that split rows and columns (1 for ``Linear``)."""
+    return 1 if type(module) is nn.Linear else module.groups
+
+
+def check_input(module: nn.Module, path: str, x: Tensor, batch: int) -> None:
+    """Refuse inputs without the batch on dim 0 (named, with shapes)."""
+    if type(module) is nn.Linear:
+        if x.dim() < 2 or x.shape[0] != batch:
+            raise ValueError(
+                f"{describe(module, path)} got an input of shape {tuple(x.shape)}: KFAC needs "
+                f"the {batch} samples on dim 0 ([N, *, in_features])"
+            )
+        return
+    _spatial(module, x, path)
+    if x.shape[0] != batch:
+        raise ValueError(
+            f"{describe(module, path)} got an input of shape {tuple(x.shape)} whose dim 0 is "
+            f"not the batch ({batch}): KFAC needs the samples on dim 0"
+        )
