@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lsn_ext import bridge_predictive, ggn_diagonal, laplace_bridge, linearized_variance
 from lsn_ext.data import synthetic_lesions
 from lsn_ext.engine.checks import round_off
-from lsn_ext.estimators import _monte_carlo
+from lsn_ext.estimators.monte_carlo import monte_carlo
 from lsn_ext.laplace_ext import DiagBackprop, batch_digest, predict
 from lsn_ext.metrics import (
     aurc,
@@ -76,8 +76,8 @@ def test_monte_carlo_on_the_device_matches_cpu_with_the_same_vectors():
     y = (m[:, 0] > 0).long() + (x[:, 0] > 0.5).long()  # three classes
     z = torch.randint(0, 2, (2, 4, 3, 16, 16), generator=torch.Generator().manual_seed(1)) * 2 - 1
     z = z.double()
-    cpu = _monte_carlo(net, x, y, as_loss("ce"), 2, None, None, noise=z)
-    got = _monte_carlo(
+    cpu = monte_carlo(net, x, y, as_loss("ce"), 2, None, None, noise=z)
+    got = monte_carlo(
         dev, x.to(DEVICE), y.to(DEVICE), as_loss("ce"), 2, None, None, noise=z.to(DEVICE)
     )
     torch.testing.assert_close(got.vector.cpu(), cpu.vector, **TOL)
@@ -229,12 +229,12 @@ def test_monte_carlo_in_float32_on_cuda_matches_cpu_float64(tf32, tolerance):
     x = torch.randn(4, 1, 32, 32, generator=g)
     y = (x[:, 0] > 0).long()
     z = (torch.randint(0, 2, (1, 4, 2, 32, 32), generator=g) * 2 - 1).double()
-    ref = _monte_carlo(net, x, y, as_loss("ce"), 1, None, None, noise=z).vector
+    ref = monte_carlo(net, x, y, as_loss("ce"), 1, None, None, noise=z).vector
     matmul = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
-            got = _monte_carlo(
+            got = monte_carlo(
                 dev, x.float().to(DEVICE), y.to(DEVICE), as_loss("ce"), 1, None, None,
                 noise=z.float().to(DEVICE),
             ).vector  # fmt: skip

@@ -25,7 +25,7 @@ from laplace import Laplace
 from torch import Tensor, nn
 
 import lsn_ext
-from lsn_ext.estimators import _monte_carlo
+from lsn_ext.estimators.monte_carlo import monte_carlo
 from lsn_ext.exact import exact_ggn_diagonal
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy, Loss
 from tests.engine.test_no_silent_path import _batch, _Checkpointed, _overridden, _weight_normed
@@ -113,7 +113,7 @@ def _z_scores(model, x, y, loss, exact, replicates=REPLICATES, draws=DRAWS, **kw
     """z of each tensor's trace (and of the total) over replicates of ``draws``-draw estimates."""
     traces = []
     for r in range(replicates):
-        res = _monte_carlo(
+        res = monte_carlo(
             model, x, y, loss, draws, torch.Generator().manual_seed(r), None, **kwargs
         )
         traces.append(torch.stack([res.diagonals[k].sum() for k in exact]))
@@ -154,8 +154,8 @@ def test_block_replay_equals_whole_model_replay(name):
     """Same vectors, same numbers: the per-block and the whole-model path agree."""
     model, x, y, loss, _ = _setting(name)
     noise = torch.randn(2, *model(x).shape, generator=torch.Generator().manual_seed(1))
-    blocks = _monte_carlo(model, x, y, loss, 2, None, None, noise)
-    whole = _monte_carlo(model, x, y, loss, 2, None, None, noise, _force="model")
+    blocks = monte_carlo(model, x, y, loss, 2, None, None, noise)
+    whole = monte_carlo(model, x, y, loss, 2, None, None, noise, _force="model")
     assert set(whole.mc_paths.values()) == {"model"}
     for k, d in blocks.diagonals.items():
         torch.testing.assert_close(d, whole.diagonals[k], rtol=1e-9, atol=1e-14, msg=k)
@@ -170,8 +170,8 @@ def test_swinunetr_with_non_reentrant_checkpointing_gives_the_same_estimate():
     x, y, loss = _masked_batch((1, 32, 32), 1)
     noise = torch.randn(1, *plain(x).shape, generator=torch.Generator().manual_seed(2))
     before = snapshot(checkpointed)
-    a = _monte_carlo(plain, x, y, loss, 1, None, None, noise)
-    b = _monte_carlo(checkpointed, x, y, loss, 1, None, None, noise)
+    a = monte_carlo(plain, x, y, loss, 1, None, None, noise)
+    b = monte_carlo(checkpointed, x, y, loss, 1, None, None, noise)
     assert_unchanged(checkpointed, before)
     assert a.mc_paths == b.mc_paths
     for k, d in a.diagonals.items():
@@ -183,8 +183,8 @@ def test_whole_model_path_under_non_reentrant_checkpointing():
     net = _Checkpointed(False).eval()
     x, y = _batch()
     noise = torch.randn(2, 2, 2, 5, 5)
-    whole = _monte_carlo(net, x, y, CrossEntropy(), 2, None, None, noise, _force="model")
-    capture = _monte_carlo(net, x, y, CrossEntropy(), 2, None, None, noise)
+    whole = monte_carlo(net, x, y, CrossEntropy(), 2, None, None, noise, _force="model")
+    capture = monte_carlo(net, x, y, CrossEntropy(), 2, None, None, noise)
     assert set(capture.mc_paths.values()) == {"module"}
     torch.testing.assert_close(whole.vector, capture.vector, rtol=1e-9, atol=1e-14)
 
@@ -197,8 +197,8 @@ def test_whole_model_fallback_equals_capture_on_a_plain_unet():
     y = torch.randint(0, 3, (2, 8, 8))
     loss = CrossEntropy()
     noise = torch.randn(3, 2, 3, 8, 8)
-    capture = _monte_carlo(model, x, y, loss, 3, None, None, noise)
-    whole = _monte_carlo(model, x, y, loss, 3, None, None, noise, _force="model")
+    capture = monte_carlo(model, x, y, loss, 3, None, None, noise)
+    whole = monte_carlo(model, x, y, loss, 3, None, None, noise, _force="model")
     assert set(capture.mc_paths.values()) == {"module"}
     assert set(whole.mc_paths.values()) == {"model"}
     torch.testing.assert_close(whole.vector, capture.vector, rtol=1e-9, atol=1e-14)

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lsn_ext
 from lsn_ext.exact import exact_ggn_diagonal
-from tests.test_estimators import _randomised
+from tests.estimators.test_estimators import _randomised
 
 
 @pytest.fixture(autouse=True)

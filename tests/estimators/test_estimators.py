@@ -6,7 +6,11 @@ from torch import nn
 from torch.func import functional_call, hessian, jacrev
 
 import lsn_ext
-from lsn_ext.estimators import _monte_carlo
+from lsn_ext.estimators import per_sample, planner
+from lsn_ext.estimators.monte_carlo import monte_carlo
+from lsn_ext.estimators.per_sample import direct_sample_grads, square_sum
+from lsn_ext.estimators.planner import Verified
+from lsn_ext.estimators.replay import Owner
 from lsn_ext.exact import exact_ggn_diagonal, flatten_diagonals
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy
 from tests.networks import classifier, residual_net, tiny_unet
@@ -82,7 +86,7 @@ def test_mc_equals_dense_per_sample_reference(name):
     out_shape = model(x).shape
     y = _targets(loss, out_shape)
     noise = torch.randn(3, *out_shape)
-    got = _monte_carlo(model, x, y, loss, 3, None, None, noise).diagonals
+    got = monte_carlo(model, x, y, loss, 3, None, None, noise).diagonals
     want = _dense_mc(model, x, y, loss, noise)
     assert list(got) == list(want)
     for k in want:
@@ -110,7 +114,7 @@ def test_mc_sums_a_shared_module_over_its_calls_before_squaring():
     y = (torch.rand(2, 1, 5, 5) > 0.5).double()
     noise = torch.randn(2, 2, 1, 5, 5)
     loss = BCEWithLogits()
-    got = _monte_carlo(model, x, y, loss, 2, None, None, noise).diagonals
+    got = monte_carlo(model, x, y, loss, 2, None, None, noise).diagonals
     want = _dense_mc(model, x, y, loss, noise)
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-9)
@@ -210,7 +214,7 @@ def test_mc_equals_dense_reference_after_in_place_ops():
     x = torch.randn(2, 2, 4, 4)
     y = _targets(CrossEntropy(), model(x).shape)
     noise = torch.randn(2, 2, 2, 4, 4)
-    got = _monte_carlo(model, x, y, CrossEntropy(), 2, None, None, noise).diagonals
+    got = monte_carlo(model, x, y, CrossEntropy(), 2, None, None, noise).diagonals
     want = _dense_mc(model, x, y, CrossEntropy(), noise)
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-12, rtol=1e-9)
@@ -220,7 +224,7 @@ def test_mc_equals_dense_reference_after_in_place_ops():
 def test_mc_serves_a_capture_lost_in_the_first_draw_through_the_whole_model(fault, monkeypatch):
     """Per-sample gradients that go missing in the first draw are taken through the whole model
     (``mc_paths`` says so) instead of being returned as zeros or a wrong estimate."""
-    real_add, real_grads = lsn_ext.estimators._Owner.add, lsn_ext.estimators._Owner.sample_grads
+    real_add, real_grads = Owner.add, Owner.sample_grads
 
     def add(self, grads):
         if self.path != "0":
@@ -231,14 +235,14 @@ def test_mc_serves_a_capture_lost_in_the_first_draw_through_the_whole_model(faul
         return {k: v / 2 for k, v in grads.items()} if self.path == "0" else grads
 
     if fault == "hook-never-fires":
-        monkeypatch.setattr(lsn_ext.estimators._Owner, "add", add)
+        monkeypatch.setattr(Owner, "add", add)
     else:
-        monkeypatch.setattr(lsn_ext.estimators._Owner, "sample_grads", halved)
+        monkeypatch.setattr(Owner, "sample_grads", halved)
     model = _norm_inplace().eval()
     x = torch.randn(2, 1, 4, 4)
     y = torch.rand(2, 1, 4, 4).round()
     noise = torch.randn(2, 2, 1, 4, 4)
-    res = _monte_carlo(model, x, y, BCEWithLogits(), 2, None, None, noise)
+    res = monte_carlo(model, x, y, BCEWithLogits(), 2, None, None, noise)
     # '0.bias' has a zero gradient (the instance norm removes it): a wrong per-sample value of
     # it is not checked, a missing one is.
     lost = ["0.weight", "0.bias"] if fault == "hook-never-fires" else ["0.weight"]
@@ -249,7 +253,7 @@ def test_mc_serves_a_capture_lost_in_the_first_draw_through_the_whole_model(faul
 
 
 def test_mc_refuses_a_capture_lost_after_the_first_draw(monkeypatch):
-    real = lsn_ext.estimators._Owner.sample_grads
+    real = Owner.sample_grads
     calls = []
 
     def halved_later(self, x, g, *out):
@@ -257,7 +261,7 @@ def test_mc_refuses_a_capture_lost_after_the_first_draw(monkeypatch):
         grads = real(self, x, g, *out)
         return {k: v / 2 for k, v in grads.items()} if len(calls) > 3 else grads
 
-    monkeypatch.setattr(lsn_ext.estimators._Owner, "sample_grads", halved_later)
+    monkeypatch.setattr(Owner, "sample_grads", halved_later)
     model = _norm_inplace().eval()
     x = torch.randn(2, 1, 4, 4)
     match = r"gradients of '0.weight' in '0' \(Conv2d\): they sum to a different .*first draw"
@@ -275,7 +279,7 @@ def test_mc_handles_group_norm_on_a_one_by_one_map():
     x = torch.randn(3, 2, 3, 3)
     y = torch.randint(0, 3, (3,))
     noise = torch.randn(2, 3, 3)
-    got = _monte_carlo(model, x, y, CrossEntropy(), 2, None, None, noise).diagonals
+    got = monte_carlo(model, x, y, CrossEntropy(), 2, None, None, noise).diagonals
     # Reference: the batch's Jacobian (torch refuses this GroupNorm on one sample alone).
     params = {k: p.detach() for k, p in model.named_parameters()}
     jac = jacrev(lambda p: functional_call(model, p, (x,)))(params)  # [N, 3, *shape]
@@ -472,7 +476,7 @@ def test_mc_sums_a_tied_weight_over_its_modules_before_squaring(build):
     loss = CrossEntropy() if out_shape[1] > 1 else MSE()
     y = _targets(loss, out_shape)
     noise = torch.randn(2, *out_shape, dtype=torch.float64)
-    got = _monte_carlo(model, x, y, loss, 2, None, None, noise).diagonals
+    got = monte_carlo(model, x, y, loss, 2, None, None, noise).diagonals
     want = _dense_mc(model, x, y, loss, noise)
     assert list(got) == list(want)
     for k in want:
@@ -546,7 +550,7 @@ def test_mc_falls_back_to_block_or_whole_model_replay(name):
     out_shape = model(x).shape
     y = torch.randn(out_shape)
     noise = torch.randn(2, *out_shape)
-    res = _monte_carlo(model, x, y, MSE(), 2, None, None, noise)
+    res = monte_carlo(model, x, y, MSE(), 2, None, None, noise)
     want = _dense_mc(model, x, y, MSE(), noise)
     for k in want:
         torch.testing.assert_close(res.diagonals[k], want[k], atol=1e-12, rtol=1e-9)
@@ -620,8 +624,6 @@ def test_mc_refuses_reentrant_checkpoint_and_names_the_remedy():
 def test_mc_explains_a_compiled_backward_that_donated_its_buffers(monkeypatch):
     # torch.compile's backward frees its saved tensors after one pass; torch's message speaks of
     # backward(retain_graph=...) calls the user never made. Its text, raised where torch raises it.
-    from lsn_ext import estimators
-
     real = torch.autograd.grad
     message = (
         "This backward function was compiled with non-empty donated buffers which requires "
@@ -633,7 +635,7 @@ def test_mc_explains_a_compiled_backward_that_donated_its_buffers(monkeypatch):
             raise RuntimeError(message)
         return real(outputs, inputs, *args, retain_graph=retain_graph, **kwargs)
 
-    monkeypatch.setattr(estimators.torch.autograd, "grad", grad)
+    monkeypatch.setattr(torch.autograd, "grad", grad)
     model = nn.Sequential(nn.Conv2d(1, 2, 1), nn.Tanh(), nn.Conv2d(2, 1, 1)).double()
     x = torch.randn(2, 1, 3, 3)
     with pytest.raises(NotImplementedError, match=r"torch.compile.*_orig_mod.*donated_buffer"):
@@ -679,7 +681,7 @@ def _assert_same_estimate(first, *later):
 
 def _records(model):
     """What the verified calls found for ``model``, per signature, fingerprint and structure."""
-    known = lsn_ext.estimators._VERIFIED[model]
+    known = planner._VERIFIED[model]
     return [plan for plans in known.values() for plan in plans.values()]
 
 
@@ -689,13 +691,11 @@ def _mc(model, x, y, seed):
 
 
 def test_calls_after_the_verified_one_give_the_same_estimate_without_batch_weight_grads():
-    from lsn_ext.estimators import _Verified
-
     model = tiny_unet(1)
     x, y = torch.randn(2, 2, 8, 8), (torch.rand(2, 1, 8, 8) > 0.5).double()
     first = _mc(model, x, y, 0)  # verified: every draw against the batch weight gradients
     (record,) = _records(model)
-    assert isinstance(record, _Verified)
+    assert isinstance(record, Verified)
     assert record.captured == {n for n, _ in model.named_parameters()}
     second = _mc(model, x, y, 0)  # to the input only
     (again,) = _records(model)
@@ -704,15 +704,13 @@ def test_calls_after_the_verified_one_give_the_same_estimate_without_batch_weigh
 
 
 def test_calls_after_the_verified_one_square_alone_and_repeat_its_numbers(conv_kernel, monkeypatch):
-    from lsn_ext import estimators
-
-    real, squared = estimators._Owner.sample_squares, []
+    real, squared = Owner.sample_squares, []
 
     def counted(self, x, g, *out):
         squared.append(self.path)
         return real(self, x, g, *out)
 
-    monkeypatch.setattr(estimators._Owner, "sample_squares", counted)
+    monkeypatch.setattr(Owner, "sample_squares", counted)
     conv = nn.Conv2d(4, 64, 3, padding=1)  # 2,304 weights per sample: stacked
     large = nn.Conv2d(64, 32, 3, padding=1)  # 18,432: accumulated per sample
     model = nn.Sequential(conv, nn.Tanh(), large, nn.Tanh(), nn.Conv2d(32, 1, 1)).double()
@@ -736,20 +734,18 @@ class _TiedTwice(nn.Module):
 
 
 def test_a_module_called_twice_sums_its_calls_before_squaring_after_the_verified_call(monkeypatch):
-    from lsn_ext import estimators
-
-    real, squared = estimators._Owner.sample_squares, []
+    real, squared = Owner.sample_squares, []
 
     def counted(self, x, g, *out):
         squared.append(self.path)
         return real(self, x, g, *out)
 
-    monkeypatch.setattr(estimators._Owner, "sample_squares", counted)
+    monkeypatch.setattr(Owner, "sample_squares", counted)
     model = _TiedTwice().double()
     x, y = torch.randn(3, 2, 5, 5), (torch.rand(3, 1, 5, 5) > 0.5).double()
     noise = torch.randn(2, 3, 1, 5, 5, dtype=torch.double)
-    first = _monte_carlo(model, x, y, BCEWithLogits(), 2, None, None, noise)
-    second = _monte_carlo(model, x, y, BCEWithLogits(), 2, None, None, noise)
+    first = monte_carlo(model, x, y, BCEWithLogits(), 2, None, None, noise)
+    second = monte_carlo(model, x, y, BCEWithLogits(), 2, None, None, noise)
     assert squared == ["head", "head"]  # the twice-called conv is not squared per call
     want = _dense_mc(model, x, y, BCEWithLogits(), noise)
     for name in want:
@@ -759,15 +755,13 @@ def test_a_module_called_twice_sums_its_calls_before_squaring_after_the_verified
 
 def _spy_backward_ends(monkeypatch) -> list[list[tuple[int, ...]]]:
     """The shapes of what each of the estimator's backward passes asked gradients for."""
-    from lsn_ext import estimators
-
     ends, real = [], torch.autograd.grad
 
     def grad(outputs, inputs, *args, **kwargs):
         ends.append([tuple(t.shape) for t in inputs])
         return real(outputs, inputs, *args, **kwargs)
 
-    monkeypatch.setattr(estimators.torch.autograd, "grad", grad)
+    monkeypatch.setattr(torch.autograd, "grad", grad)
     return ends
 
 
@@ -910,11 +904,9 @@ def _randomised(module: nn.Module) -> nn.Module:
 @pytest.fixture(params=["grouped", "per-sample"])
 def conv_kernel(request, monkeypatch):
     """Which of the two convolution kernels serves (the CPU timing would choose one)."""
-    from lsn_ext import estimators
-
-    monkeypatch.setattr(estimators, "_LOOP_FASTER", {})
+    monkeypatch.setattr(per_sample, "_LOOP_FASTER", {})
     monkeypatch.setattr(
-        estimators,
+        per_sample,
         "choose",
         lambda cache, key, a, b: cache.setdefault(key, request.param == "per-sample"),
     )
@@ -924,17 +916,15 @@ def conv_kernel(request, monkeypatch):
 @pytest.mark.parametrize("case", DIRECT.values(), ids=DIRECT.keys())
 @pytest.mark.parametrize("which", ["weight-and-bias", "bias-only"])
 def test_direct_per_sample_gradients_equal_the_per_sample_jacobian(case, which, conv_kernel):
-    from lsn_ext import estimators
-
     make, shape = case
     module = make()
     x = torch.randn(shape)
     g = torch.randn_like(module(x))
     names = {n: n for n, _ in module.named_parameters() if which != "bias-only" or n == "bias"}
-    got = estimators._direct_sample_grads(module, names, x, g)
+    got = direct_sample_grads(module, names, x, g)
     assert set(got) == set(names)
     if "conv" in type(module).__name__.lower() and names:  # the chosen kernel served
-        assert list(estimators._LOOP_FASTER.values()) == [conv_kernel == "per-sample"]
+        assert list(per_sample._LOOP_FASTER.values()) == [conv_kernel == "per-sample"]
     for n in names:
         want = torch.stack(
             [
@@ -949,57 +939,49 @@ def test_direct_per_sample_gradients_equal_the_per_sample_jacobian(case, which, 
 def test_direct_squared_gradients_are_the_squares_of_the_per_sample_gradients(case, conv_kernel):
     # Bit for bit: a call after the verified one squares this way (conv2d-large-weight: the
     # per-sample loop accumulates without stacking) and must repeat the verified call's numbers.
-    from lsn_ext import estimators
-
     make, shape = case
     module = make()
     x = torch.randn(shape)
     g = torch.randn_like(module(x))
     names = {n: n for n, _ in module.named_parameters()}
-    per_sample = estimators._direct_sample_grads(module, names, x, g)
-    squared = estimators._direct_sample_grads(module, names, x, g, squared=True)
+    stacked = direct_sample_grads(module, names, x, g)
+    squared = direct_sample_grads(module, names, x, g, squared=True)
     assert set(squared) == set(names)
     for n in names:
-        assert torch.equal(squared[n], estimators._square_sum(per_sample[n].clone())), n
-        torch.testing.assert_close(squared[n], per_sample[n].square().sum(0), msg=n)
+        assert torch.equal(squared[n], square_sum(stacked[n].clone())), n
+        torch.testing.assert_close(squared[n], stacked[n].square().sum(0), msg=n)
 
 
 @pytest.mark.parametrize("shape", [(4, 3, 5), (4, 128, 130)], ids=["stacked", "accumulated"])
 def test_square_sum_is_the_sum_of_squares_over_the_samples(shape):
-    from lsn_ext.estimators import _SQUARE_SUM_LOOP, _square_sum
-
     t = torch.randn(shape)
-    assert (t[0].numel() >= _SQUARE_SUM_LOOP) is (shape[1] == 128)
+    assert (t[0].numel() >= per_sample._SQUARE_SUM_LOOP) is (shape[1] == 128)
     want = t.square().sum(0)
-    torch.testing.assert_close(_square_sum(t), want)
+    torch.testing.assert_close(square_sum(t), want)
 
 
 def test_square_sum_accumulates_sample_by_sample_on_cpu_only():
     # On a GPU, n launches would cost more than the second pass over memory they save.
-    from lsn_ext.estimators import _square_sum_loops
-
     large = torch.Size([128, 130])
-    assert _square_sum_loops(8, large, torch.device("cpu"))
-    assert not _square_sum_loops(8, large, torch.device("meta"))
-    assert not _square_sum_loops(1, large, torch.device("cpu"))
-    assert not _square_sum_loops(8, torch.Size([3, 5]), torch.device("cpu"))
+    assert per_sample._square_sum_loops(8, large, torch.device("cpu"))
+    assert not per_sample._square_sum_loops(8, large, torch.device("meta"))
+    assert not per_sample._square_sum_loops(1, large, torch.device("cpu"))
+    assert not per_sample._square_sum_loops(8, torch.Size([3, 5]), torch.device("cpu"))
 
 
 def test_deterministic_algorithms_keep_the_grouped_kernel(monkeypatch):
-    from lsn_ext import estimators
-
-    monkeypatch.setattr(estimators, "_LOOP_FASTER", {})
-    monkeypatch.setattr(estimators, "choose", lambda cache, key, a, b: cache.setdefault(key, True))
+    monkeypatch.setattr(per_sample, "_LOOP_FASTER", {})
+    monkeypatch.setattr(per_sample, "choose", lambda cache, key, a, b: cache.setdefault(key, True))
     conv = nn.Conv2d(2, 3, 3, padding=1)
     x = torch.randn(4, 2, 5, 5)
     g = torch.randn(4, 3, 5, 5)
     mode = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        got = estimators._direct_sample_grads(conv, {"weight": "weight"}, x, g)
+        got = direct_sample_grads(conv, {"weight": "weight"}, x, g)
     finally:
         torch.use_deterministic_algorithms(mode)
-    assert estimators._LOOP_FASTER == {}  # nothing timed, the grouped kernel served
+    assert per_sample._LOOP_FASTER == {}  # nothing timed, the grouped kernel served
     want = torch.stack(
         [torch.autograd.grad(conv(x[i : i + 1]), conv.weight, g[i : i + 1])[0] for i in range(4)]
     )
@@ -1007,32 +989,28 @@ def test_deterministic_algorithms_keep_the_grouped_kernel(monkeypatch):
 
 
 def test_direct_gradients_leave_other_modules_to_the_replay():
-    from lsn_ext.estimators import _direct_sample_grads
-
     conv = nn.Conv2d(2, 2, 3, padding="same")
     x = torch.randn(2, 2, 4, 4)
-    assert _direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
+    assert direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
     conv = nn.Conv2d(2, 2, 3, padding=1, padding_mode="reflect")
-    assert _direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
+    assert direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
     conv = nn.Conv2d(2, 2, 3, padding=1)
     conv.forward = lambda t: 2 * nn.Conv2d.forward(conv, t)
-    assert _direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
+    assert direct_sample_grads(conv, {"weight": "weight"}, x, conv(x)) is None
     norm = nn.BatchNorm2d(2)  # training mode: batch statistics couple the samples
-    assert _direct_sample_grads(norm, {"weight": "weight"}, x, x) is None
+    assert direct_sample_grads(norm, {"weight": "weight"}, x, x) is None
     norm = nn.InstanceNorm2d(2, affine=True)  # an input without batch dim
-    assert _direct_sample_grads(norm, {"weight": "weight"}, x[0], x[0]) is None
+    assert direct_sample_grads(norm, {"weight": "weight"}, x[0], x[0]) is None
     norm = nn.LayerNorm((2, 4, 4))
-    assert _direct_sample_grads(norm, {"weight": "weight"}, x[0], x[0]) is None
+    assert direct_sample_grads(norm, {"weight": "weight"}, x[0], x[0]) is None
 
 
 def test_direct_transposed_convolution_gradients_follow_the_calls_output_size():
-    from lsn_ext.estimators import _direct_sample_grads
-
     conv = nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1)
     x = torch.randn(3, 2, 4, 4)
     size = (8, 8)  # output_padding 1, set by the call
     g = torch.randn_like(conv(x, output_size=size))
-    got = _direct_sample_grads(conv, {"weight": "weight", "bias": "bias"}, x, g)
+    got = direct_sample_grads(conv, {"weight": "weight", "bias": "bias"}, x, g)
     for n in ("weight", "bias"):
         want = torch.stack(
             [
@@ -1091,15 +1069,13 @@ class _TwoNorms(nn.Module):
 def test_replayed_gradients_that_alias_the_output_gradient_are_squared_once(model):
     """Per-sample gradients are squared in place; a replay's alias of ``g`` must be copied
     first, or one head's squares would overwrite the other's (or the vectors)."""
-    from lsn_ext.estimators import _monte_carlo
-
     torch.manual_seed(0)
     net = model().double()
     x = torch.randn(3, 2, 4, 4)
     y = (torch.rand_like(net(x)) > 0.5).double()
     noise = torch.randn(2, *net(x).shape, generator=torch.Generator().manual_seed(1))
-    capture = _monte_carlo(net, x, y, BCEWithLogits(), 2, None, None, noise.clone())
-    whole = _monte_carlo(net, x, y, BCEWithLogits(), 2, None, None, noise.clone(), _force="model")
+    capture = monte_carlo(net, x, y, BCEWithLogits(), 2, None, None, noise.clone())
+    whole = monte_carlo(net, x, y, BCEWithLogits(), 2, None, None, noise.clone(), _force="model")
     assert set(capture.mc_paths.values()) == {"module"}
     for k, d in capture.diagonals.items():
         torch.testing.assert_close(d, whole.diagonals[k], rtol=1e-9, atol=1e-14, msg=k)
