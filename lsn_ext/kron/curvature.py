@@ -63,11 +63,13 @@ from lsn_ext.kron.factors import Mode, Moment, OtherBlock, kind_of
 from lsn_ext.kron.layers import (
     KFAC_TYPES,
     TRANSPOSED,
+    Columns,
     check_input,
     columns,
     describe,
     groups_of,
     output_rows,
+    projected_columns,
     rows,
 )
 from lsn_ext.rules.losses import Loss, as_loss
@@ -92,7 +94,8 @@ class KronResult:
         blocks: Per name: ``"kfac"`` (a layer's weight), ``"kfac bias"``, ``"full"``,
             ``"diagonal"`` (stored dense), ``"nearest kron"`` or ``"kron moments"``.
         paths: Per name: ``"layer"`` (the KFAC capture), ``"per-sample"`` (its module replayed
-            per sample) or ``"batch gradient"``.
+            per sample), ``"batch gradient"``, or ``"unused"`` (no gradient reached it: a zero
+            block).
         logits: The model's output (detached).
     """
 
@@ -127,6 +130,7 @@ class _Layer:
     positions: int = 0
     totals: dict[str, Tensor] = field(default_factory=dict)
     grads: dict[str, Tensor] = field(default_factory=dict)  # draw-0 gradients from the capture
+    direction: tuple[Tensor, Tensor] | None = None  # (u, v) of the weight's check
 
     def __post_init__(self) -> None:
         self.transposed = type(self.module) in TRANSPOSED
@@ -162,6 +166,12 @@ class _Layer:
         cols = columns(self.module, self.path, x)
         self.positions += cols.positions
         if self.weight is not None:
+            self._add_columns(cols)
+
+    def _add_columns(self, cols: Columns) -> None:
+        if self.mode == "reduce":  # only the sums over positions: no copy of the patches
+            self.moments["cols"].add(cols.total())
+        else:
             for chunk in _chunks(cols):
                 self.moments["cols"].add(chunk)
 
@@ -172,19 +182,34 @@ class _Layer:
         if self.transposed:
             cols = columns(self.module, self.path, x, g)
             if self.weight is not None:
-                for chunk in _chunks(cols):
-                    self.moments["cols"].add(chunk)
-        else:
-            if "rows" in self.random:
-                self.moments["rows"].add(r.unsqueeze(2))
-            if first and self.weight is not None:
-                cols = columns(self.module, self.path, x)
+                self._add_columns(cols)
+        elif "rows" in self.random:
+            self.moments["rows"].add(r.unsqueeze(2))
         if "bias" in self.random:
             self.moments["bias"].add(output_rows(self.module, g).unsqueeze(2))
         if first and self.weight is not None:
-            self._grad("weight", _outer_sum(r, cols, self.groups))
+            self._project(x, g, r)
         if first and self.bias is not None:
             self._grad("bias", output_rows(self.module, g).sum((0, 1)))
+
+    def _project(self, x: Tensor, g: Tensor, r: Tensor) -> None:
+        """``uᵀ (Σ_{n,t} r cᵀ) v`` for fixed random ``u``, ``v``: the check of the first draw.
+
+        The weight gradient the factors stand for, in one random direction (the gradient itself
+        would cost a copy of the patches); :func:`_check_layer` compares it with autograd's.
+        """
+        if self.direction is None:
+            p = self.module.weight
+            gen = torch.Generator(device=p.device).manual_seed(0)
+            R, D = p.shape[0], p[0].numel()
+            u = torch.randn(R, generator=gen, device=p.device, dtype=r.dtype)
+            v = torch.randn(self.groups, D, generator=gen, device=p.device, dtype=r.dtype)
+            self.direction = (u, v)
+        u, v = self.direction
+        ru = (r.unflatten(2, (self.groups, -1)) * u.reshape(self.groups, -1)).sum(-1)
+        cv = projected_columns(self.module, self.path, x, g, v)
+        terms = ru * cv
+        self._grad("weight", torch.stack([terms.sum(), terms.abs().sum()]))
 
     def after_forward(self) -> None:
         """Close the moment that does not depend on the draws."""
@@ -216,29 +241,16 @@ class _Layer:
         return out
 
 
-def _spans(cols: Any) -> list[tuple[int, int]]:
+def _spans(cols: Columns) -> list[tuple[int, int]]:
     """Ranges of ``P[0]`` whose column vectors hold about ``_CHUNK`` entries."""
     per = max(1, cols.view.shape[0] * (cols.positions // max(cols.length, 1)) * cols.width)
     step = max(1, _CHUNK // per)
     return [(a, min(a + step, cols.length)) for a in range(0, cols.length, step)]
 
 
-def _chunks(cols: Any):
+def _chunks(cols: Columns):
     for a, b in _spans(cols):
         yield cols.chunk(a, b)
-
-
-def _outer_sum(r: Tensor, cols: Any, groups: int) -> Tensor:
-    """``Σ_{n,t} r cᵀ`` per group, ``[R, D]``: the weight gradient the factors stand for."""
-    inner = cols.positions // max(cols.length, 1)
-    N, _, R = r.shape
-    total = None
-    for a, b in _spans(cols):
-        c = cols.chunk(a, b)
-        part = r[:, a * inner : b * inner].reshape(N, -1, groups, R // groups)
-        term = torch.einsum("ntgr,ntgd->grd", part, c).reshape(R, -1)
-        total = term if total is None else total.add_(term)
-    return total
 
 
 @dataclass
@@ -560,10 +572,11 @@ def kron_curvature(
                 if per_sample is not None:
                     block.add(per_sample)
                     paths.setdefault(n, "per-sample")
-                else:
-                    if g is not None:
-                        block.add(g.unsqueeze(0))
+                elif g is not None:
+                    block.add(g.unsqueeze(0))
                     paths[n] = "batch gradient"
+                else:
+                    paths.setdefault(n, "unused")  # no gradient: a zero block
     finally:
         for tap in taps:
             tap.remove()
@@ -593,7 +606,12 @@ def kron_curvature(
 
 
 def _check_layer(layer: _Layer, batch_grads: dict[str, Tensor | None]) -> None:
-    """The capture's weight and bias gradients must be the batch's (first draw)."""
+    """The capture's weight and bias gradients must be the batch's (first draw).
+
+    The bias's in full; the weight's in the random direction ``u vᵀ`` of :meth:`_Layer._project`
+    (for a discrepancy ``δ`` the two differ by ``uᵀ δ v``, almost surely not 0), with the
+    rounding bound ``√ε · Σ |u·r| |c·v|``.
+    """
     for key, name in (("weight", layer.weight), ("bias", layer.bias)):
         if name is None:
             continue
@@ -601,11 +619,21 @@ def _check_layer(layer: _Layer, batch_grads: dict[str, Tensor | None]) -> None:
         if captured is None and actual is None:
             continue
         p = getattr(layer.module, key)
-        captured = torch.zeros_like(p) if captured is None else captured.reshape(p.shape)
-        actual = torch.zeros_like(p) if actual is None else actual
         tol = _tolerance(p.dtype)
-        scale = float(captured.norm() + actual.norm())
-        if float((captured - actual).norm()) > tol * scale:
+        actual = torch.zeros_like(p) if actual is None else actual
+        if key == "weight":
+            if layer.direction is None:  # no gradient arrived at any call
+                continue
+            u, v = layer.direction
+            G = actual.reshape(layer.groups, p.shape[0] // layer.groups, -1)
+            projected = float(((G * v.unsqueeze(1)).sum(-1).flatten() * u).sum())
+            got, bound = (0.0, 0.0) if captured is None else map(float, captured)
+            wrong = abs(got - projected) > tol * (bound + abs(projected))
+        else:
+            captured = torch.zeros_like(p) if captured is None else captured
+            scale = float(captured.norm() + actual.norm())
+            wrong = float((captured - actual).norm()) > tol * scale
+        if wrong:
             raise ValueError(
                 f"{describe(layer.module, layer.path)}: the gradient of its {key} is not what "
                 "its calls give (the parameter is also used outside this module's calls, or "

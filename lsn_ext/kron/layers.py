@@ -54,6 +54,7 @@ __all__ = [
     "describe",
     "groups_of",
     "output_rows",
+    "projected_columns",
     "rows",
 ]
 
@@ -97,6 +98,23 @@ def _conv_pads(module: nn.Module, d: int) -> list[tuple[int, int]]:
             pads.append((total // 2, total - total // 2))
         return pads
     return [(p, p) for p in padding]
+
+
+def _transposed_pads(module: nn.Module, x: Tensor, g: Tensor) -> list[tuple[int, int]]:
+    """Pads of a transposed convolution's output gradient whose windows are its input positions.
+
+    ``y[o, t·s + k·d − p]`` gets ``W[c, o, k] x[c, t]``: the output-gradient patch of input
+    position ``t`` starts at ``t·s − p``. The output ends ``extra`` (``output_padding``, or what
+    ``output_size=`` asked for) beyond ``(S_in − 1)·s − 2p + d(k − 1) + 1``, i.e. ``p − extra``
+    short of the last patch (a negative pad crops).
+    """
+    pads = []
+    for i, (k, s, dil, p) in enumerate(
+        zip(module.kernel_size, module.stride, module.dilation, module.padding, strict=True)
+    ):
+        extra = g.shape[2 + i] - ((x.shape[2 + i] - 1) * s - 2 * p + dil * (k - 1) + 1)
+        pads.append((p, p - extra))
+    return pads
 
 
 def _windows(
@@ -155,6 +173,11 @@ class Columns:
         """``groups · D``, the entries of one position."""
         return math.prod(self.view.shape[1 + self.dims :])
 
+    def total(self) -> Tensor:
+        """``[N, 1, groups, D]``: the sum over all positions (no copy of the patches)."""
+        s = self.view.sum(tuple(range(1, 1 + self.dims)))
+        return s.reshape(s.shape[0], 1, self.groups, self.width // self.groups)
+
     def chunk(self, start: int, stop: int) -> Tensor:
         """``[N, t, groups, D]`` for positions ``start:stop`` of ``P[0]`` (one copy)."""
         part = self.view[:, start:stop]
@@ -182,15 +205,7 @@ def columns(module: nn.Module, path: str, x: Tensor, g: Tensor | None = None) ->
         return Columns(view, d, module.groups)
     if g is None:
         raise ValueError(f"{describe(module, path)}: a transposed convolution's columns need g")
-    # y[o, t·s + k·d − p] gets W[c, o, k] x[c, t]: the output-gradient patch of input position
-    # t starts at t·s − p. The output ends `extra` (output_padding, or what output_size= asked
-    # for) beyond (S_in − 1)·s − 2p + d(k − 1) + 1, i.e. p − extra short of the last patch.
-    pads = []
-    for i, (k, s, dil, p) in enumerate(
-        zip(module.kernel_size, module.stride, module.dilation, module.padding, strict=True)
-    ):
-        extra = g.shape[2 + i] - ((x.shape[2 + i] - 1) * s - 2 * p + dil * (k - 1) + 1)
-        pads.append((p, p - extra))
+    pads = _transposed_pads(module, x, g)
     view = _windows(g, module.kernel_size, module.stride, module.dilation, pads)
     if tuple(view.shape[1 : 1 + d]) != tuple(x.shape[2:]):
         raise ValueError(
@@ -198,6 +213,37 @@ def columns(module: nn.Module, path: str, x: Tensor, g: Tensor | None = None) ->
             f"{tuple(g.shape)} do not fit a transposed convolution with this module's settings"
         )
     return Columns(view, d, module.groups)
+
+
+def projected_columns(module: nn.Module, path: str, x: Tensor, g: Tensor, v: Tensor) -> Tensor:
+    """``c_{n,t,j} · v_j`` for every position, ``[N, T, groups]``, without the patches.
+
+    The layer's own operation with ``v`` as a one-channel-per-group kernel: a matrix-vector
+    product (``Linear``), a convolution of the padded input (``ConvNd``), or of the padded
+    output gradient (``ConvTransposeNd``, whose columns are its patches).
+
+    Args:
+        module: A module of :data:`KFAC_TYPES`.
+        path: Its name, for messages.
+        x: The module's input.
+        g: The gradient at its output.
+        v: ``[groups, D]``.
+    """
+    if type(module) is nn.Linear:
+        return (x @ v[0]).reshape(x.shape[0], -1, 1)
+    d = _spatial(module, x, path)
+    conv = (F.conv1d, F.conv2d, F.conv3d)[d - 1]
+    kernel = v.reshape(v.shape[0], -1, *module.kernel_size)
+    if type(module) in CONV:
+        source, pads = x, _conv_pads(module, d)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    else:
+        source, mode, pads = g, "constant", _transposed_pads(module, x, g)
+    flat = [p for pair in reversed(pads) for p in pair]
+    if any(flat):
+        source = F.pad(source, flat, mode=mode)
+    out = conv(source, kernel, stride=module.stride, dilation=module.dilation, groups=module.groups)
+    return out.flatten(2).transpose(1, 2)
 
 
 def rows(module: nn.Module, x: Tensor, g: Tensor) -> Tensor:

@@ -1,6 +1,6 @@
 """KFAC-expand against KFAC-reduce on small segmentation networks, against the exact GGN blocks.
 
-Run ``python -m tests.kron.measure_expand_reduce`` (about 2 CPU-minutes on one thread); it
+Run ``python -m tests.kron.measure_expand_reduce`` (about 1 CPU-minute on one thread); it
 writes ``integration/results/kron_expand_reduce.md``. For every weight of a KFAC layer (and every
 bias) it compares the Kron block of :func:`lsn_ext.kron.kron_curvature` in expectation
 (``mc_samples="exact"``) and with one Monte-Carlo draw (5 seeds) to the exact GGN block
@@ -18,6 +18,8 @@ Networks (float64, 1 thread):
   (``lsn_ext.data.synthetic_lesions``), measured on 2 held-out images.
 - ``3-D net, CE``: Conv3d → GroupNorm → tanh → Conv3d (stride 2) → tanh → ConvTranspose3d (k 2,
   stride 2) → tanh → Conv3d 1×1×1, 2 classes, random initialisation, 1 volume of 6³.
+
+It also times one call against a training step on the paper U-Net at 64² (see :func:`cost`).
 """
 
 from __future__ import annotations
@@ -195,6 +197,39 @@ def curvlinops_errors(net, x, y, exact, kfac, biases) -> dict[str, tuple[float, 
 
 
 MODES = ("expand", "reduce")
+STEP = "training step (forward + backward)"
+
+
+def cost(repeats: int = 5) -> dict[str, list[float]]:
+    """Seconds of a training step and of one ``kron`` call, alternated, float32, sorted.
+
+    The paper U-Net (``UNet(3, 2)``, 8-16-32-64-128, nearest upsampling: Conv2d only, so
+    laplace-torch + curvlinops apply), cross-entropy, batch 8 of 64², one draw.
+    """
+    torch.manual_seed(0)
+    net = UNet(3, 2).float()
+    x = torch.randn(8, 3, 64, 64)
+    y = torch.randint(0, 2, (8, 64, 64))
+    ce = nn.CrossEntropyLoss(reduction="sum")
+    backend = laplace.curvature.CurvlinopsGGN(net, "classification")
+
+    def step() -> None:
+        net.zero_grad()
+        ce(net(x), y).backward()
+
+    runs = {
+        STEP: step,
+        "kron_curvature, expand": lambda: kron_curvature(net, x, y, mode="expand"),
+        "kron_curvature, reduce": lambda: kron_curvature(net, x, y, mode="reduce"),
+        "laplace-torch + curvlinops kron (expand, type-2)": lambda: backend.kron(x, y, N=8),
+    }
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats + 1):  # the first round warms up
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t)
+    return {k: sorted(v[1:]) for k, v in times.items()}
 
 
 def main() -> None:
@@ -206,6 +241,9 @@ def main() -> None:
         rows, summary = measure(name, net, x, y, loss)
         all_rows += rows
         summaries[name] = summary
+    torch.set_default_dtype(torch.float32)
+    seconds = cost()
+    torch.set_default_dtype(torch.float64)
     minutes = (time.perf_counter() - t0) / 60
     lines = [
         "# KFAC-expand vs KFAC-reduce against the exact GGN blocks",
@@ -252,6 +290,20 @@ def main() -> None:
                     f"{d:.3f} | {tr:.3f} | {b:.3f} | (deterministic) |"
                 )
     lines += [
+        "",
+        "## Cost",
+        "",
+        "5 alternated repetitions (after one warm-up round), float32, one CPU thread, on a "
+        "machine shared with other jobs: the paper U-Net (`UNet(3, 2)`, 8-16-32-64-128, nearest "
+        "upsampling), cross-entropy, batch 8 of 64², one draw. The ratio is of the medians.",
+        "",
+        "| run | median s | min–max s | × training step |",
+        "|---|---|---|---|",
+        *(
+            f"| {k} | {statistics.median(v):.3f} | {v[0]:.3f}–{v[-1]:.3f} | "
+            f"{statistics.median(v) / statistics.median(seconds[STEP]):.1f} |"
+            for k, v in seconds.items()
+        ),
         "",
         "## Per tensor (expectation)",
         "",
