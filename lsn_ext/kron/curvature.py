@@ -190,7 +190,8 @@ class _Layer:
         if first and self.weight is not None:
             self._project(x, g, r)
         if first and self.bias is not None:
-            self._grad("bias", output_rows(self.module, g).sum((0, 1)))
+            o = output_rows(self.module, g)
+            self._grad("bias", torch.stack([o.sum((0, 1)), o.abs().sum((0, 1))]))
 
     def _project(self, x: Tensor, g: Tensor, r: Tensor) -> None:
         """``uᵀ (Σ_{n,t} r cᵀ) v`` for fixed random ``u``, ``v``: the check of the first draw.
@@ -608,9 +609,9 @@ def kron_curvature(
 def _check_layer(layer: _Layer, batch_grads: dict[str, Tensor | None]) -> None:
     """The capture's weight and bias gradients must be the batch's (first draw).
 
-    The bias's in full; the weight's in the random direction ``u vᵀ`` of :meth:`_Layer._project`
-    (for a discrepancy ``δ`` the two differ by ``uᵀ δ v``, almost surely not 0), with the
-    rounding bound ``√ε · Σ |u·r| |c·v|``.
+    The bias's entry by entry, with the rounding bound ``√ε · Σ_{n,t} |g|``; the weight's in the
+    random direction ``u vᵀ`` of :meth:`_Layer._project` (for a discrepancy ``δ`` the two differ
+    by ``uᵀ δ v``, almost surely not 0), with the rounding bound ``√ε · Σ |u·r| |c·v|``.
     """
     for key, name in (("weight", layer.weight), ("bias", layer.bias)):
         if name is None:
@@ -629,10 +630,11 @@ def _check_layer(layer: _Layer, batch_grads: dict[str, Tensor | None]) -> None:
             projected = float(((G * v.unsqueeze(1)).sum(-1).flatten() * u).sum())
             got, bound = (0.0, 0.0) if captured is None else map(float, captured)
             wrong = abs(got - projected) > tol * (bound + abs(projected))
-        else:
-            captured = torch.zeros_like(p) if captured is None else captured
-            scale = float(captured.norm() + actual.norm())
-            wrong = float((captured - actual).norm()) > tol * scale
+        else:  # elementwise, against the sum of the terms' magnitudes (a bias before a norm
+            # layer has a gradient of rounding size only)
+            total, bound = (0, 0) if captured is None else captured
+            tiny = torch.finfo(p.dtype).tiny
+            wrong = bool(((total - actual).abs() > tol * (bound + actual.abs()) + tiny).any())
         if wrong:
             raise ValueError(
                 f"{describe(layer.module, layer.path)}: the gradient of its {key} is not what "

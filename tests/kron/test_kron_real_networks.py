@@ -52,3 +52,34 @@ def test_monai_unetr_attention_and_position_embeddings():
     assert result.paths[unused] == "unused"
     assert not result.factors(unused)[0].any()
     assert result.paths["vit.blocks.0.norm1.weight"] == "per-sample"
+
+
+def _dense(entry: list[torch.Tensor]) -> torch.Tensor:
+    return torch.kron(*entry) if len(entry) == 2 else entry[0]
+
+
+@pytest.mark.parametrize("case", list(REAL_NETWORKS))
+def test_float32_agrees_with_float64(case):
+    """Same draws in float32: same paths, no false alarm of the gradient checks (a conv bias
+    before a norm layer has a gradient of rounding size), blocks within float32 rounding."""
+    spec = REAL_NETWORKS[case]
+    reason = spec.available()
+    if reason is not None:
+        pytest.skip(reason)
+    torch.manual_seed(0)
+    net = spec.build().float()
+    x, y = spec.batch()
+    results = {}
+    for dtype in (torch.float32, torch.float64):
+        net.to(dtype)
+        target = y if spec.classes > 1 else y.to(dtype)
+        gen = torch.Generator().manual_seed(0)
+        results[dtype] = kron_curvature(net, x.to(dtype), target, spec.loss, generator=gen)
+    single, double = results[torch.float32], results[torch.float64]
+    assert single.paths == double.paths
+    num = sum(
+        float((_dense(single.factors(n)).double() - _dense(double.factors(n))).norm() ** 2)
+        for n in double.names
+    )
+    den = sum(float(_dense(double.factors(n)).norm() ** 2) for n in double.names)
+    assert (num / den) ** 0.5 < 1e-5
