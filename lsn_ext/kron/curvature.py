@@ -59,6 +59,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
 from lsn_ext._laplace import laplace
+from lsn_ext._memory import check_sample_memory
 from lsn_ext.kron.factors import Mode, Moment, OtherBlock, kind_of
 from lsn_ext.kron.layers import (
     KFAC_TYPES,
@@ -180,9 +181,8 @@ class _Layer:
         x = self.inputs[call]
         r = rows(self.module, x, g)
         if self.transposed:
-            cols = columns(self.module, self.path, x, g)
             if self.weight is not None:
-                self._add_columns(cols)
+                self._add_columns(columns(self.module, self.path, x, g))
         elif "rows" in self.random:
             self.moments["rows"].add(r.unsqueeze(2))
         if "bias" in self.random:
@@ -350,6 +350,14 @@ def _noise(
             )
         eye = torch.eye(K, dtype=f.dtype, device=f.device) * math.sqrt(K)
         return eye.reshape(K, *f.shape)
+    # Held at once: the draws z and the vectors s = B z, [S, *logits.shape] each.
+    check_sample_memory(
+        "mc_samples",
+        mc_samples,
+        2 * f.numel(),
+        f,
+        "use a smaller mc_samples (the estimate is unbiased for any), or a smaller batch",
+    )
     z = torch.randint(0, 2, (mc_samples, *f.shape), generator=generator, device=f.device)
     return z.to(f.dtype) * 2 - 1
 

@@ -98,6 +98,11 @@ def test_exact_refuses_large_outputs():
         kron_curvature(_net(), x, torch.randint(0, 2, (4, 64, 64)), mc_samples="exact")
 
 
+def test_mc_samples_beyond_memory():
+    with pytest.raises(ValueError, match=r"mc_samples=\d+ needs .* GiB"):
+        kron_curvature(_net(), X, Y, mc_samples=2**40)
+
+
 def test_no_trainable_parameters():
     net = _net().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
