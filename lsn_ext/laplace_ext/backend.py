@@ -27,9 +27,16 @@ from lsn_ext._laplace import (
     baselaplace as _laplace_module,
 )
 from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
-from lsn_ext.laplace_ext.checks import check_finite, check_images, check_trainable, dict_input
+from lsn_ext.laplace_ext.checks import (
+    check_eval_norms,
+    check_finite,
+    check_images,
+    check_trainable,
+    dict_input,
+)
 from lsn_ext.laplace_ext.digest import batch_digest, tensor_bytes
 from lsn_ext.links import check_link, link_of_likelihood
+from lsn_ext.lowrank import LowRankGGN, lowrank_ggn
 from lsn_ext.outputs import plain_tensor
 from lsn_ext.rules.losses import MSE, BCEWithLogits, CrossEntropy, Loss, as_loss
 
@@ -149,7 +156,8 @@ class DiagBackprop(GGNInterface):
     (``StopIteration``), a channels_last model (``view size is not compatible``; fit with
     ``model.to(memory_format=torch.contiguous_format)``), ``subset_of_weights="last_layer"`` on
     a network without a final ``nn.Linear`` (``Use model with a linear last layer.``) and
-    ``hessian_structure="lowrank"`` (``ImportError`` asking for asdfghjkl). See the README.
+    ``hessian_structure="lowrank"`` (``ImportError`` asking for asdfghjkl; the low-rank posterior
+    with this backend is :class:`lsn_ext.lowrank.LowRankGGNLaplace`). See the README.
 
     Args:
         model: The network; any ``nn.Module`` the native engine supports, run on tensor inputs.
@@ -553,12 +561,50 @@ class DiagBackprop(GGNInterface):
             "DiagBackprop computes the GGN diagonal only; use hessian_structure='diag'"
         )
 
-    def eig_lowrank(self, *args: Any, **kwargs: Any):
-        """Not available: laplace-torch's ``hessian_structure="lowrank"`` needs ASDL's Hessian."""
-        raise NotImplementedError(
-            "DiagBackprop computes the GGN diagonal only; hessian_structure='lowrank' needs "
-            "laplace-torch's AsdfghjklHessian backend. Use hessian_structure='diag'"
-        )
+    def eig_lowrank(self, data_loader: Any, rank: int = 10, **options: Any) -> LowRankGGN:
+        """Top GGN eigenpairs over the whole loader (:func:`lsn_ext.lowrank.lowrank_ggn`).
+
+        Lanczos on matrix-free GGN-vector products of this backend's loss; the start vector is
+        seeded by ``seed`` (``None``: torch's global generator). Host it with
+        :class:`lsn_ext.lowrank.LowRankGGNLaplace` (laplace-torch's ``Laplace(...,
+        hessian_structure="lowrank")`` refuses to start without the ``asdfghjkl`` package).
+
+        Args:
+            data_loader: ``(x, y)`` or dictionary batches, iterated once per product.
+            rank: Eigenpairs kept (default 10).
+            **options: ``energy``, ``steps``, ``trace_probes``, ``tol`` of ``lowrank_ggn``.
+
+        Returns:
+            :class:`~lsn_ext.lowrank.LowRankGGN`, which unpacks as laplace-torch's
+            ``(eigenvectors [P, k], eigenvalues [k], loss)``.
+
+        Raises:
+            ValueError: In a data-parallel fit or a subnetwork Laplace (not supported), for a
+                model in training mode, or what ``lowrank_ggn`` refuses.
+        """
+        if self._world() is not None or self.subnetwork_indices is not None:
+            raise ValueError(
+                "eig_lowrank covers all weights of a single-process fit: leave out "
+                "subnetwork_indices and use backend_kwargs={'distributed': False} (or one rank)"
+            )
+        check_eval_norms(self.model, "eig_lowrank")
+        device = self.params[0].device
+
+        def split(batch: Any) -> tuple[Tensor, Tensor]:
+            x, y = (batch, batch[self.dict_key_y]) if isinstance(batch, Mapping) else batch
+            x = check_images(self._tensor_input(x).to(device), "the batch's inputs")
+            y = plain_tensor(y).to(device)
+            check_finite("the batch's targets", y)
+            return x, y
+
+        self._check_output(split(next(iter(data_loader)))[0])
+        generator = None
+        if self.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(self.seed)
+        return lowrank_ggn(
+            self.model, data_loader, self.loss_fn, rank=rank, generator=generator, split=split,
+            **options,
+        )  # fmt: skip
 
     def kron(self, *args: Any, **kwargs: Any):
         """Not available: DB computes a diagonal."""

@@ -447,11 +447,11 @@ def _fit_under_inference_mode():
 
 
 # laplace-torch checks for asdfghjkl before anything else; with it installed, its fit reaches
-# DiagBackprop.eig_lowrank, which refuses.
+# DiagBackprop.eig_lowrank, which fits (lsn_ext.lowrank.LowRankGGNLaplace needs no asdfghjkl).
 _LOWRANK_ERROR = (
     _raises(ImportError, "please install the old asdfghjkl")
     if find_spec("asdfghjkl") is None
-    else _raises(NotImplementedError, "hessian_structure='lowrank'")
+    else {"check": lambda _: None}
 )
 
 
@@ -611,9 +611,13 @@ CASES: dict[str, Case] = {
         _plain(_parameterless_net, lambda net: DiagBackprop(net, "classification")),
         **_raises(ValueError, "Sequential has no parameters at all"),
     ),
-    "backend-eig-lowrank": Case(
-        _with_fitted("ce", lambda la: la.backend.eig_lowrank(_loader(_x(), _y()))),
-        **_raises(NotImplementedError, r"'lowrank' needs laplace-torch's AsdfghjklHessian"),
+    "backend-eig-lowrank-train-mode": Case(
+        _train_mode("ce", lambda la: la.backend.eig_lowrank(_loader(_x(), _y()))),
+        **_raises(ValueError, r"eig_lowrank needs the model in eval mode, but 1 \(BatchNorm2d\)"),
+    ),
+    "backend-eig-lowrank-bad-rank": Case(
+        _with_fitted("ce", lambda la: la.backend.eig_lowrank(_loader(_x(), _y()), rank=0)),
+        **_raises(ValueError, "rank must be an int ≥ 1, got 0"),
     ),
     "check-before-fit-all-frozen": Case(
         _plain(_frozen_net, lambda net: check_before_laplace_fit(net, _loader(_x(), _y()))),
