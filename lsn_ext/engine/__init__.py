@@ -12,9 +12,10 @@
   the ordinary backward pass already is the DB step. Fan-out sums, which gives LSN Eq. (27) for
   concatenating skip connections, nested or not;
 - a ``TorchFunctionMode`` inspects every other operation in ``forward`` that touches the graph:
-  functional activations (``torch.tanh(x)``), constant scaling (``0.5 * x``, ``x / c``, ``-x``,
-  ``a - b``, ``x.mean()``), ``F.interpolate`` and ``F.avg_pool*d`` are routed through the same
-  rules; anything else raises an error naming the operation and the module it is called in.
+  functional activations (``torch.tanh(x)``: the rules' functional forms), constant scaling
+  (``0.5 * x``, ``x / c``, ``-x``, ``a - b``, ``x.mean()``), ``F.interpolate`` and
+  ``F.avg_pool*d`` are routed through the same rules; anything else raises an error naming the
+  operation and the module it is called in.
 
 Granularity: the diagonal is taken after every registered module and every functional operation
 above; a module's internals are one layer. ``Conv2d(padding_mode="reflect")`` is padding followed

@@ -1,16 +1,18 @@
 """The table of functional handlers: how the session routes operations in ``forward``.
 
 :data:`HANDLERS` maps the name of a torch function to the handler that runs it as a DB node:
-functional activations (the table :data:`ACTIVATIONS`, name → argument spec and equivalent
-module), ``F.avg_pool*d``, global adaptive average pooling, ``F.interpolate``, dropout in
-evaluation mode, and constant scaling (``c * x``, ``x / c``, ``-x``, ``a - b``, ``mean``) or
-products of two branches. :data:`STRUCTURAL` lists the operations whose Jacobian has only 0/1
-entries, for which autograd's own backward already is the DB step; :data:`PASS_THROUGH` those
-of them without a handler, which the session runs untouched.
+``F.avg_pool*d``, global adaptive average pooling, ``F.interpolate``, dropout in evaluation
+mode, and constant scaling (``c * x``, ``x / c``, ``-x``, ``a - b``, ``mean``) or products of
+two branches. :func:`handler_table` adds the functional forms of the registered rules
+(``F.tanh``, ``F.silu``, …: :func:`lsn_ext.rules.functional_forms`, each run as a node of its
+module's rule) for one pass. :data:`STRUCTURAL` lists the operations whose Jacobian has only
+0/1 entries, for which autograd's own backward already is the DB step; those without a handler
+the session runs untouched.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -20,17 +22,16 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lsn_ext.engine.functions import ProductFunction, ScaleFunction
-from lsn_ext.rules import RULES, AvgPoolRule, UpsampleRule
+from lsn_ext.rules import AvgPoolRule, Functional, Rule, UpsampleRule, functional_forms
 
 if TYPE_CHECKING:
     from lsn_ext.engine.session import Session
 
 __all__ = [
-    "ACTIVATIONS",
     "HANDLERS",
-    "PASS_THROUGH",
     "STRUCTURAL",
     "bind_arguments",
+    "handler_table",
     "needs_grad",
 ]
 
@@ -57,36 +58,16 @@ def bind_arguments(args: tuple, kwargs: dict, spec: Sequence[tuple[str, Any]]) -
 
 _MISSING = object()
 
-# Functional activations: name → (argument spec, module with the same computation). An
-# in-place call (``F.silu(x, inplace=True)``, as in MONAI's EfficientNet blocks) runs as the
-# in-place module, which the rule node handles like ``nn.SiLU(inplace=True)``.
-ACTIVATIONS: dict[str, tuple[tuple[tuple[str, Any], ...], Callable[..., nn.Module]]] = {
-    "tanh": ((), lambda: nn.Tanh()),
-    "sigmoid": ((), lambda: nn.Sigmoid()),
-    "leaky_relu": (
-        (("negative_slope", 0.01), ("inplace", False)),
-        lambda negative_slope, inplace: nn.LeakyReLU(negative_slope, inplace),
-    ),
-    "elu": ((("alpha", 1.0), ("inplace", False)), lambda alpha, inplace: nn.ELU(alpha, inplace)),
-    "celu": ((("alpha", 1.0), ("inplace", False)), lambda alpha, inplace: nn.CELU(alpha, inplace)),
-    "selu": ((("inplace", False),), lambda inplace: nn.SELU(inplace)),
-    "silu": ((("inplace", False),), lambda inplace: nn.SiLU(inplace)),
-    "mish": ((("inplace", False),), lambda inplace: nn.Mish(inplace)),
-    "hardswish": ((("inplace", False),), lambda inplace: nn.Hardswish(inplace)),
-    "hardsigmoid": ((("inplace", False),), lambda inplace: nn.Hardsigmoid(inplace)),
-    "gelu": ((("approximate", "none"),), lambda approximate: nn.GELU(approximate)),
-    "softplus": (
-        (("beta", 1.0), ("threshold", 20.0)),
-        lambda beta, threshold: nn.Softplus(beta, threshold),
-    ),
-}
 
+def _functional(form: Functional, rule: Rule, session: Session, func, args, kwargs) -> Tensor:
+    """A rule's functional form as a node of the rule, on the equivalent module.
 
-def _activation(session: Session, func, args, kwargs) -> Tensor:
-    spec, factory = ACTIVATIONS[func.__name__]
-    bound = bind_arguments(args, kwargs, spec)
-    module = factory(**{k: v for k, v in bound.items() if k != "input"})
-    return session.apply_rule(module, RULES[type(module)], bound["input"], module)
+    An in-place call (``F.silu(x, inplace=True)``, as in MONAI's EfficientNet blocks) runs as
+    the in-place module, which the rule node handles like ``nn.SiLU(inplace=True)``.
+    """
+    bound = bind_arguments(args, kwargs, form.arguments)
+    module = form.module(**{k: v for k, v in bound.items() if k != "input"})
+    return session.apply_rule(module, rule, bound["input"], module)
 
 
 _POOL_SPEC = (
@@ -229,7 +210,6 @@ def _mean(session: Session, func, args, kwargs) -> Tensor:
 
 
 HANDLERS: dict[str, Callable[..., Tensor]] = {
-    **dict.fromkeys(ACTIVATIONS, _activation),
     **dict.fromkeys(("avg_pool1d", "avg_pool2d", "avg_pool3d"), _avg_pool),
     **dict.fromkeys(
         ("adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d"), _adaptive_avg_pool
@@ -273,4 +253,25 @@ STRUCTURAL = frozenset(
     }
 )  # fmt: skip
 
-PASS_THROUGH = STRUCTURAL - HANDLERS.keys()
+
+def handler_table() -> tuple[dict[str, Callable[..., Tensor]], tuple[str, ...]]:
+    """The handlers of one pass: :data:`HANDLERS` and the rules' functional forms.
+
+    Returns:
+        ``(handlers, names)``: function name → handler, and the sorted names of the functional
+        forms (for error messages).
+
+    Raises:
+        ValueError: If a rule's functional form takes the name of one of :data:`HANDLERS`
+            (``mul``, ``interpolate``, …), or two rules claim one name.
+    """
+    forms = functional_forms()
+    taken = sorted(forms.keys() & HANDLERS.keys())
+    if taken:
+        raise ValueError(
+            f"the functional forms {taken} of the rules of "
+            f"{[forms[n][0].module.__qualname__ for n in taken]} take names of the native "
+            "engine's own handlers; give those rules other functional forms (Rule.functional)"
+        )
+    by_form = {name: functools.partial(_functional, *forms[name]) for name in forms}
+    return {**by_form, **HANDLERS}, tuple(sorted(forms))

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from lsn_ext.engine.functions import Blocks, Call, Flags, RuleFunction, is_foreign_function
-from lsn_ext.engine.handlers import ACTIVATIONS, HANDLERS, PASS_THROUGH, STRUCTURAL, needs_grad
+from lsn_ext.engine.handlers import STRUCTURAL, handler_table, needs_grad
 from lsn_ext.rules import RULES, Rule, get_rule, register_adapters_for
 
 __all__ = ["ModeAside", "Session", "all_modules", "is_parametrized"]
@@ -54,6 +54,11 @@ class Session(TorchFunctionMode):
         self.blocks = Blocks()
         self._handles: list[Any] = []
         self._patched: list[tuple[nn.Module, Any]] = []
+        # The functional handlers of this pass (the rules' functional forms as registered when
+        # it starts), the structural operations without one, and the forms' names.
+        self._handlers: dict[str, Callable[..., Tensor]] = {}
+        self._pass_through: frozenset[str] = frozenset()
+        self._functional: tuple[str, ...] = ()
 
     # -- installation --------------------------------------------------------------------------
 
@@ -61,6 +66,8 @@ class Session(TorchFunctionMode):
         try:
             modules = all_modules(self.model)
             register_adapters_for(modules)
+            self._handlers, self._functional = handler_table()
+            self._pass_through = STRUCTURAL - self._handlers.keys()
             for module in modules:
                 if is_parametrized(module):
                     raise NotImplementedError(_parametrized_message(self.describe(module), module))
@@ -343,9 +350,9 @@ class Session(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        if not torch.is_grad_enabled() or name in PASS_THROUGH:
+        if not torch.is_grad_enabled() or name in self._pass_through:
             return func(*args, **kwargs)
-        handler = HANDLERS.get(name)
+        handler = self._handlers.get(name)
         if handler is not None and needs_grad((args, kwargs)):
             return handler(self, func, args, kwargs)
         out = func(*args, **kwargs)
@@ -363,7 +370,7 @@ class Session(TorchFunctionMode):
             f"{' ' + detail if detail else ''} Outside modules, forward may use structural "
             "operations (cat, stack, slicing, reshapes, pad, add, sum, relu, max pooling, "
             "nearest interpolation), scaling by constants (c * x, x / c, -x, a - b, mean), "
-            f"the functional activations {sorted(ACTIVATIONS)}, F.avg_pool*d and "
+            f"the functional activations {list(self._functional)}, F.avg_pool*d and "
             "F.interpolate, and products of two branches (a * b). Use a supported module, put "
             "the operation in a module of your own and register a rule for it with "
             "lsn_ext.register_rule, or use the Monte-Carlo estimator (estimator='mc' in "

@@ -6,7 +6,8 @@ come from one kernel call, without running the module again (:func:`direct_sampl
 other modules are replayed per sample (:mod:`lsn_ext.estimators.replay`). :func:`square_sum`
 squares per-sample gradients and sums them over the samples, the same way for every caller.
 
-The module types served here are listed in ``_CONV_DIMS``, ``_CONV_T_DIMS`` and ``_NORMS``.
+Which kernel serves a module is a fact of its rule (``Rule.per_sample_kernel``), taken for
+modules of a ``torch.nn`` class itself only (:func:`direct_kernel`).
 """
 
 from __future__ import annotations
@@ -16,21 +17,53 @@ from torch import Tensor, nn
 
 from lsn_ext._kernels import choose, timing_applies
 from lsn_ext.rules import RULES
+from lsn_ext.rules.base import PerSampleKernel
 
-_CONV_DIMS: dict[type[nn.Module], int] = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
-_CONV_T_DIMS: dict[type[nn.Module], int] = {
-    nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2, nn.ConvTranspose3d: 3
-}  # fmt: skip
-_NORMS: tuple[type[nn.Module], ...] = (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d,
-    nn.InstanceNorm3d, nn.GroupNorm, nn.LayerNorm,
-)  # fmt: skip
+_FAMILIES: dict[str, tuple[type[nn.Module], ...]] = {
+    "convolution": (nn.modules.conv._ConvNd,),
+    "linear": (nn.Linear,),
+    "norm": (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LayerNorm),
+}
+"""The modules each kernel computes for: it reads their attributes (``transposed``, ``stride``,
+…) and assumes their ``forward``."""
+
+
+def direct_kernel(module: nn.Module) -> PerSampleKernel | None:
+    """The direct kernel that serves ``module``'s per-sample gradients, or ``None`` (replay).
+
+    The kernel named by the rule registered for the module's exact class
+    (``Rule.per_sample_kernel``), where that class is a ``torch.nn`` class itself of the
+    kernel's family (:data:`_FAMILIES`) and ``forward`` was not replaced on the instance.
+
+    Why not every class registered with such a rule: a kernel takes its gradients from the
+    module's input and output gradient alone and never runs the module, so no replay compares
+    what the module computes with what the kernel assumes. A subclass registered with
+    ``ConvRule`` may compute something else, through its own ``forward`` (weight
+    standardisation: ``conv(x, (W − mean W) / std W)``) or through a method that torch's
+    ``forward`` calls (``_conv_forward``, ``_output_padding``, ``_check_input_dim``); a kernel
+    would give it the gradients of the plain convolution. The Monte-Carlo estimator's check that
+    the per-sample gradients sum to the batch gradient catches such a mismatch in the tests'
+    weight-standardised convolutions (and reroutes the weight through the whole model), but it
+    runs in verified calls only, sees the sum over the samples only, within its tolerance, and
+    skips parameters whose gradients are below ``√eps`` of the draw's largest. A subclass is
+    therefore replayed per sample, running its own forward, its outputs checked against the
+    batched forward's in every call (StochMan's ``nnj.Conv2d`` too, as before), and the kernels
+    serve exactly the classes whose code is torch's own.
+    """
+    cls = type(module)
+    if not cls.__module__.startswith("torch.nn.") or "forward" in vars(module):
+        return None
+    rule = RULES.get(cls)
+    kernel = None if rule is None else rule.per_sample_kernel
+    if kernel is None or not isinstance(module, _FAMILIES[kernel]):
+        return None
+    return kernel
 
 
 def direct_sample_grads(
     module: nn.Module, names: dict[str, str], x: Tensor, g: Tensor, squared: bool = False
 ) -> dict[str, Tensor] | None:
-    """Per-sample gradients of a plain convolution, ``nn.Linear`` or norm layer without replay.
+    """Per-sample gradients of a convolution, ``nn.Linear`` or norm layer without replay.
 
     The weight gradient of one sample needs only its input and output gradient: for a
     convolution (or transposed convolution) ``aten.convolution_backward`` with only the weight
@@ -39,10 +72,10 @@ def direct_sample_grads(
     overhead); for ``nn.Linear`` ``g_nᵀ x_n`` summed over the
     other axes; for a norm layer (:func:`_norm_sample_grads`) ``Σ g_n · x̂_n`` and ``Σ g_n``.
     The replay of :meth:`~lsn_ext.estimators.replay.Owner.sample_grads` also runs the module's
-    forward again; these do not. ``None`` for any other module (subclasses included), a module
-    whose ``forward`` was replaced on the instance, a convolution with another padding mode or a
-    padding string, and where the convolution's kernel fails (the caller then replays the
-    module).
+    forward again; these do not. ``None`` for a module that no kernel serves
+    (:func:`direct_kernel`: other modules, subclasses included, and a module whose ``forward``
+    was replaced on the instance), a convolution with another padding mode or a padding string,
+    and where the convolution's kernel fails (the caller then replays the module).
 
     With ``squared``, the sums of their squares over the samples, ``Σ_n (J_nᵀ g_n)²``.
 
@@ -50,24 +83,24 @@ def direct_sample_grads(
         ``{own name: [N, *shape]}`` for the names in ``names`` (``{own name: shape}`` with
         ``squared``), or ``None``.
     """
-    if "forward" in vars(module):  # a forward replaced on the instance: replay that one
+    kernel = direct_kernel(module)
+    if kernel is None:
         return None
     want_w, want_b = "weight" in names, "bias" in names
-    if type(module) is nn.Linear:
+    if kernel == "linear":
         out: dict[str, Tensor] = {}
         if want_w:
             out["weight"] = torch.einsum("n...o,n...i->noi", g, x)
         if want_b:
             out["bias"] = g.reshape(g.shape[0], -1, g.shape[-1]).sum(1)
         return {k: square_sum(v) for k, v in out.items()} if squared else out
-    if type(module) in _NORMS:
+    if kernel == "norm":
         out = _norm_sample_grads(module, want_w, want_b, x, g)
         if out is None or not squared:
             return out
         return {k: square_sum(v) for k, v in out.items()}
-    transposed = type(module) in _CONV_T_DIMS
-    dims = (_CONV_T_DIMS if transposed else _CONV_DIMS).get(type(module))
-    if dims is None or module.padding_mode != "zeros" or isinstance(module.padding, str):
+    transposed, dims = module.transposed, module.weight.dim() - 2
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
         return None
     if not (want_w or want_b):
         return {}

@@ -9,7 +9,21 @@ registered explicitly::
     lsn_ext.register_rule(MyConv2d, lsn_ext.rules.ConvRule())
 
 Adding a layer is three touches: a :class:`~lsn_ext.rules.base.Rule` subclass in this package, one
-line in :data:`RULES`, and one case in ``tests/rules``.
+line in :data:`RULES`, and one case in ``tests/rules``. Besides its maths, a rule carries, as
+class attributes, every fact about its module type that the adapters need (no adapter keeps a
+table of module classes of its own):
+
+- ``autograd_exact``, ``needs_input``, ``needs_output``: what the engines may skip or keep;
+- ``functional``: the torch functions that compute what the module computes
+  (:class:`~lsn_ext.rules.base.Functional`: name, module class, arguments), which the native
+  engine then runs in ``forward`` as nodes of the rule (``F.tanh(x)`` as ``nn.Tanh``; the table
+  is :func:`functional_forms`, read at each pass);
+- ``per_sample_kernel``: the Monte-Carlo estimator's direct per-sample-gradient kernel
+  (``"convolution"``, ``"linear"``, ``"norm"`` or ``None``), used for modules of the
+  ``torch.nn`` class itself only.
+
+The StochMan adapter lists only the ``nnj`` classes whose ``forward`` computes what their
+``torch.nn`` parent's does; each takes the rule registered for that parent.
 """
 
 from __future__ import annotations
@@ -21,7 +35,7 @@ from collections.abc import Iterable
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lsn_ext.rules.base import Rule
+from lsn_ext.rules.base import Functional, Rule
 from lsn_ext.rules.conv import ConvRule
 from lsn_ext.rules.elementwise import (
     CELURule,
@@ -56,6 +70,7 @@ __all__ = [
     "DropoutRule",
     "ELURule",
     "ElementwiseRule",
+    "Functional",
     "GELURule",
     "GroupNormRule",
     "HardsigmoidRule",
@@ -77,6 +92,7 @@ __all__ = [
     "StructuralRule",
     "TanhRule",
     "UpsampleRule",
+    "functional_forms",
     "get_rule",
     "register_adapters_for",
     "register_rule",
@@ -184,6 +200,34 @@ def register_adapters_for(model: nn.Module | Iterable[nn.Module]) -> None:
 _LOOKED_AT: set[type] = set()
 """Module classes already looked at: an adapter, once imported, stays registered (no result
 depends on when it was imported)."""
+
+
+def functional_forms() -> dict[str, tuple[Functional, Rule]]:
+    """The functional forms of the registered rules: function name → ``(form, rule)``.
+
+    A rule's form (:attr:`Rule.functional <lsn_ext.rules.base.Rule>`) counts where its module
+    class is registered with that rule, so that the function runs as a node of the rule the
+    module itself would get: ``F.tanh`` as ``nn.Tanh`` with ``RULES[nn.Tanh]``. Read from
+    :data:`RULES` at each call, so a rule registered later is seen.
+
+    Raises:
+        ValueError: If the rules of two registered module classes claim one function name,
+            naming both.
+    """
+    forms: dict[str, tuple[Functional, Rule]] = {}
+    for cls, rule in RULES.items():
+        for form in rule.functional:
+            if form.module is not cls:
+                continue
+            if form.name in forms:
+                other = forms[form.name][0].module
+                raise ValueError(
+                    f"the functional form '{form.name}' is claimed by the rules of {_name(other)} "
+                    f"and {_name(cls)}; a function can run as one module only: give one of the "
+                    "rules another functional form (Rule.functional)"
+                )
+            forms[form.name] = (form, rule)
+    return forms
 
 
 def supported_modules() -> list[str]:

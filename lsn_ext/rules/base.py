@@ -34,12 +34,40 @@ the covariances between activations ("D after every layer", forward).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Rule"]
+__all__ = ["Functional", "PerSampleKernel", "Rule"]
+
+PerSampleKernel = Literal["convolution", "linear", "norm"]
+"""The direct per-sample-gradient kernels of the Monte-Carlo estimator
+(:mod:`lsn_ext.estimators.per_sample`), each for one family of ``torch.nn`` modules:
+``"convolution"`` (``Conv1–3d``, ``ConvTranspose1–3d``: ``aten.convolution_backward`` per sample,
+the dims from the weight), ``"linear"`` (``nn.Linear``: ``g_nᵀ x_n``) and ``"norm"`` (batch,
+instance, group and layer norm: ``Σ g_n · x̂_n`` and ``Σ g_n``, with ``x̂`` from the rule's
+``standardised(module, x)`` and the samples independent where its ``check`` passes)."""
+
+
+class Functional(NamedTuple):
+    """A torch function that computes what a module computes, outside any module.
+
+    ``torch.nn.functional.<name>(input, *args)`` (or ``torch.<name>``, ``Tensor.<name>``) equals
+    ``module(**arguments)(input)`` with the same arguments: the native engine runs such a call in
+    ``forward`` as a node of the module's rule (``F.tanh(x)`` as ``nn.Tanh()``), and an in-place
+    call as the in-place module.
+
+    Attributes:
+        name: The function's ``__name__`` as the torch-function mode sees it (``"leaky_relu"``).
+        module: The module class; called with the bound ``arguments`` as keywords.
+        arguments: The function's arguments after the input, ``(name, default)`` in positional
+            order; each name is also the module's constructor argument.
+    """
+
+    name: str
+    module: type[nn.Module]
+    arguments: tuple[tuple[str, Any], ...] = ()
 
 
 def total_variance(y: Tensor, terms: Sequence[Tensor | None]) -> Tensor:
@@ -68,12 +96,26 @@ class Rule:
 
     Rules are stateless; one instance serves every module of its type.
 
+    The class attributes are the facts about a module type that the rest of the library needs,
+    so that adding a layer is the rule, its line in :data:`lsn_ext.rules.RULES` and its test:
+
     Attributes:
         autograd_exact: True when every entry of the layer's input Jacobian is 0 or 1 and the
             layer has no parameters, so that squaring changes nothing and the ordinary backward
             pass already is the DB step. Adapters may then leave the layer to autograd.
         needs_input: False when the rule reads only the shape of ``x``, not its values.
         needs_output: True when the rule reads the *values* of ``y``.
+        functional: The torch functions that compute what the module computes
+            (:class:`Functional`: name, module class, arguments). The native engine runs each
+            such call in ``forward`` as a node of this rule, where the form's module class is
+            registered with this rule (:func:`lsn_ext.rules.functional_forms`); empty by
+            default.
+        per_sample_kernel: The Monte-Carlo estimator's direct per-sample-gradient kernel for the
+            module's parameters (:data:`PerSampleKernel`), or ``None`` (the default): the
+            module is replayed per sample. The kernel serves only modules of a ``torch.nn``
+            class itself (never a subclass, whose ``forward`` or the methods it calls may
+            compute something else) that belongs to the kernel's family
+            (:func:`lsn_ext.estimators.per_sample.direct_kernel`).
 
     Where a rule does not read a tensor's values, adapters may pass a tensor with its shape and
     dtype only (on the ``meta`` device) and need not keep it alive: that saves memory, and an
@@ -84,6 +126,8 @@ class Rule:
     autograd_exact: ClassVar[bool] = False
     needs_input: ClassVar[bool] = True
     needs_output: ClassVar[bool] = False
+    functional: ClassVar[tuple[Functional, ...]] = ()
+    per_sample_kernel: ClassVar[PerSampleKernel | None] = None
 
     def check(self, module: nn.Module) -> None:
         """Raise ``ValueError`` if the module's current configuration has no valid rule.

@@ -288,6 +288,8 @@ class ConvRule(Rule):
     parameter diagonals and the parameters' forward variance are exact for the whole module.
     """
 
+    per_sample_kernel = "convolution"
+
     def backward(
         self,
         module: _ConvNd,

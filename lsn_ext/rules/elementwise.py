@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor, nn
 
-from lsn_ext.rules.base import Rule, total_variance
+from lsn_ext.rules.base import Functional, Rule, total_variance
 
 __all__ = [
     "CELURule",
@@ -66,6 +66,8 @@ class ElementwiseRule(Rule):
 class TanhRule(ElementwiseRule):
     """``φ'(x) = 1 − y²`` with ``y = tanh(x)``; reads only the output (fused ``tanh_backward``)."""
 
+    functional = (Functional("tanh", nn.Tanh),)
+
     needs_input, needs_output = False, True
 
     def derivative(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
@@ -78,6 +80,8 @@ class TanhRule(ElementwiseRule):
 
 class SigmoidRule(ElementwiseRule):
     """``φ'(x) = y(1 − y)`` with ``y = σ(x)``; reads only the output (``sigmoid_backward``)."""
+
+    functional = (Functional("sigmoid", nn.Sigmoid),)
 
     needs_input, needs_output = False, True
 
@@ -107,6 +111,10 @@ class LeakyReLURule(ElementwiseRule):
     output is the tensor that the next layer keeps anyway. A negative slope makes ``y > 0`` on
     both sides of 0, so the input is read then.
     """
+
+    functional = (
+        Functional("leaky_relu", nn.LeakyReLU, (("negative_slope", 0.01), ("inplace", False))),
+    )
 
     def reads_input(self, module: nn.LeakyReLU) -> bool:
         return module.negative_slope < 0
@@ -181,12 +189,16 @@ class PReLURule(ElementwiseRule):
 class ELURule(ElementwiseRule):
     """``φ'(x) = 1`` for ``x > 0``, else ``α e^x``."""
 
+    functional = (Functional("elu", nn.ELU, (("alpha", 1.0), ("inplace", False))),)
+
     def derivative(self, module: nn.ELU, x: Tensor, y: Tensor) -> Tensor:
         return torch.where(x > 0, torch.ones_like(x), module.alpha * torch.exp(x.clamp(max=0)))
 
 
 class SiLURule(ElementwiseRule):
     """``φ(x) = x σ(x)``, ``φ'(x) = σ(x)(1 + x(1 − σ(x)))``."""
+
+    functional = (Functional("silu", nn.SiLU, (("inplace", False),)),)
 
     def derivative(self, module: nn.SiLU, x: Tensor, y: Tensor) -> Tensor:
         s = torch.sigmoid(x)
@@ -195,6 +207,8 @@ class SiLURule(ElementwiseRule):
 
 class GELURule(ElementwiseRule):
     """``φ(x) = x Φ(x)``, ``φ'(x) = Φ(x) + x 𝒩(x)``; the ``approximate="tanh"`` form likewise."""
+
+    functional = (Functional("gelu", nn.GELU, (("approximate", "none"),)),)
 
     def derivative(self, module: nn.GELU, x: Tensor, y: Tensor) -> Tensor:
         if module.approximate == "tanh":
@@ -209,6 +223,8 @@ class GELURule(ElementwiseRule):
 class SoftplusRule(ElementwiseRule):
     """``φ(x) = log(1 + e^{βx})/β``, ``φ'(x) = σ(βx)``; 1 above ``threshold`` (linear there)."""
 
+    functional = (Functional("softplus", nn.Softplus, (("beta", 1.0), ("threshold", 20.0))),)
+
     def derivative(self, module: nn.Softplus, x: Tensor, y: Tensor) -> Tensor:
         bx = module.beta * x
         return torch.where(bx > module.threshold, torch.ones_like(x), torch.sigmoid(bx))
@@ -217,6 +233,8 @@ class SoftplusRule(ElementwiseRule):
 class MishRule(ElementwiseRule):
     """``φ(x) = x tanh(softplus(x))``: ``φ'(x) = t + x σ(x)(1 − t²)``, ``t = tanh(softplus(x))``."""
 
+    functional = (Functional("mish", nn.Mish, (("inplace", False),)),)
+
     def derivative(self, module: nn.Mish, x: Tensor, y: Tensor) -> Tensor:
         t = torch.tanh(nn.functional.softplus(x))
         return t + x * torch.sigmoid(x) * (1 - t * t)
@@ -224,6 +242,8 @@ class MishRule(ElementwiseRule):
 
 class HardswishRule(ElementwiseRule):
     """``φ(x) = x · relu6(x + 3)/6``: ``φ'(x)`` is 0 below −3, ``(2x + 3)/6`` up to 3, then 1."""
+
+    functional = (Functional("hardswish", nn.Hardswish, (("inplace", False),)),)
 
     def derivative(self, module: nn.Hardswish, x: Tensor, y: Tensor) -> Tensor:
         inner = (2 * x + 3) / 6
@@ -238,12 +258,16 @@ class HardsigmoidRule(ElementwiseRule):
     float64 inputs), so that DB squares exactly the derivative autograd uses.
     """
 
+    functional = (Functional("hardsigmoid", nn.Hardsigmoid, (("inplace", False),)),)
+
     def derivative(self, module: nn.Hardsigmoid, x: Tensor, y: Tensor) -> Tensor:
         return torch.ops.aten.hardsigmoid_backward(torch.ones_like(x), x)
 
 
 class SELURule(ElementwiseRule):
     """``φ(x) = λ x`` for ``x > 0``, else ``λ α (e^x − 1)``: ``φ'(x) = λ`` or ``λ α e^x``."""
+
+    functional = (Functional("selu", nn.SELU, (("inplace", False),)),)
 
     scale, alpha = 1.0507009873554805, 1.6732632423543772
 
@@ -258,6 +282,8 @@ class CELURule(ElementwiseRule):
     (torch's own CELU rounds ``1/α`` to float32 in float64 too: autograd's derivative then
     differs from this one by a relative 1e-7 unless ``1/α`` is exact in float32.)
     """
+
+    functional = (Functional("celu", nn.CELU, (("alpha", 1.0), ("inplace", False))),)
 
     def derivative(self, module: nn.CELU, x: Tensor, y: Tensor) -> Tensor:
         return torch.where(x > 0, torch.ones_like(x), torch.exp(x.clamp(max=0) / module.alpha))

@@ -29,6 +29,8 @@ class LinearRule(Rule):
     ``m_in[n, i] = Σ_{c,c'} H[n, c, c'] W[c, i] W[c', i]``.
     """
 
+    per_sample_kernel = "linear"
+
     def input_rule(self, module: nn.Linear, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
         W = module.weight.detach()
         return m_out @ (W * W)

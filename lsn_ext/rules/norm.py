@@ -133,6 +133,8 @@ class BatchNormRule(Rule):
     the rule refuses it (call ``model.eval()``).
     """
 
+    per_sample_kernel = "norm"
+
     def check(self, module: _BatchNorm) -> None:
         if module.training or module.running_mean is None:
             raise ValueError(
@@ -207,6 +209,8 @@ class _GroupStatsRule(Rule):
     group spans dims 2 and 3 and ``γ``, ``β`` (of ``G·K`` entries) are indexed by dims 1 and 2.
     The layer's ``eps``, ``weight`` and ``bias`` attributes are read (``None``: absent).
     """
+
+    per_sample_kernel = "norm"
 
     def _view(self, module: _Norm, x: Tensor) -> tuple[int, int, int, int]:
         raise NotImplementedError

@@ -75,8 +75,8 @@ What StochMan 0.3.0 forced on this adapter (measured):
 The package, by job:
 
 - :mod:`~lsn_ext.stochman_ext.layers`: the leaf layers, their sandwiches by their rules, and
-  :data:`~lsn_ext.stochman_ext.layers.RULE_CLASSES` with :func:`register` (which rule describes
-  each ``nnj`` class);
+  :data:`~lsn_ext.stochman_ext.layers.SAME_FORWARD` with :func:`register` (the classes whose
+  ``forward`` is their ``torch.nn`` parent's, each registered with that parent's rule);
 - :mod:`~lsn_ext.stochman_ext.containers`: :class:`Sequential`, :class:`SkipConnection`, their
   sandwiches by the engine, and the structure check;
 - :mod:`~lsn_ext.stochman_ext.driver`: :func:`diag_backprop_nnj`;

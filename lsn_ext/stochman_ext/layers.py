@@ -3,9 +3,10 @@
 Each class here is a StochMan ``nnj`` layer whose diag→diag sandwiches (the two that diagonal
 backpropagation needs, ``D(J_xᵀ diag(m) J_x) = (J_x ∘ J_x)ᵀ m`` and ``D(J_θᵀ diag(m) J_θ)``) call
 the layer's rule from :data:`lsn_ext.rules.RULES`; the other sandwich paths stay StochMan's (see
-:mod:`lsn_ext.stochman_ext` for what StochMan 0.3.0 gets wrong and why). :data:`RULE_CLASSES` is
-the table of which rule class describes each ``nnj`` class and each class of this package, and
-:func:`register` puts it into the rule table (run on import of the package).
+:mod:`lsn_ext.stochman_ext` for what StochMan 0.3.0 gets wrong and why). :data:`SAME_FORWARD`
+lists the ``nnj`` classes and the classes of this package whose ``forward`` computes what their
+``torch.nn`` parent's does, and :func:`register` gives each the rule registered for that parent
+(run on import of the package).
 """
 
 from __future__ import annotations
@@ -16,28 +17,11 @@ import torch
 from stochman import nnj
 from torch import Tensor, nn
 
-from lsn_ext.rules import (
-    RULES,
-    BatchNormRule,
-    ConvRule,
-    ELURule,
-    LeakyReLURule,
-    LinearRule,
-    ReLURule,
-    Rule,
-    SigmoidRule,
-    SoftmaxRule,
-    SoftplusRule,
-    StructuralRule,
-    TanhRule,
-    UpsampleRule,
-    get_rule,
-    register_rule,
-)
+from lsn_ext.rules import RULES, Rule, get_rule, register_rule
 
 __all__ = [
     "ELU",
-    "RULE_CLASSES",
+    "SAME_FORWARD",
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
@@ -63,6 +47,7 @@ __all__ = [
     "Upsample",
     "as_output",
     "register",
+    "torch_parent",
     "unsupported",
 ]
 
@@ -305,55 +290,59 @@ class MeanHead(Conv2d):
 
 # -- registration ---------------------------------------------------------------------------------
 
-RULE_CLASSES: dict[type[nn.Module], type[Rule]] = {
-    # StochMan's classes whose forward is their torch.nn parent's (MaxPool*d: the same values).
-    nnj.Identity: StructuralRule,
-    nnj.Linear: LinearRule,
-    nnj.Conv1d: ConvRule,
-    nnj.Conv2d: ConvRule,
-    nnj.Conv3d: ConvRule,
-    nnj.ConvTranspose1d: ConvRule,
-    nnj.ConvTranspose2d: ConvRule,
-    nnj.ConvTranspose3d: ConvRule,
-    nnj.Upsample: UpsampleRule,
-    nnj.MaxPool1d: StructuralRule,
-    nnj.MaxPool2d: StructuralRule,
-    nnj.MaxPool3d: StructuralRule,
-    nnj.Flatten: StructuralRule,
-    nnj.Reshape: StructuralRule,
-    nnj.Tanh: TanhRule,
-    nnj.Sigmoid: SigmoidRule,
-    nnj.ReLU: ReLURule,
-    nnj.LeakyReLU: LeakyReLURule,
-    nnj.ELU: ELURule,
-    nnj.Softplus: SoftplusRule,
-    nnj.Softmax: SoftmaxRule,
-    nnj.BatchNorm1d: BatchNormRule,
-    nnj.BatchNorm2d: BatchNormRule,
-    nnj.BatchNorm3d: BatchNormRule,
-}
-# This package's subclasses (and MeanHead) take the rule of the nnj class they extend.
-RULE_CLASSES.update(
-    {
-        cls: RULE_CLASSES[next(b for b in cls.__mro__ if b in RULE_CLASSES)]
-        for cls in (
-            Identity, Linear, Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d,
-            ConvTranspose3d, Upsample, MaxPool1d, MaxPool2d, MaxPool3d, Flatten, Reshape, Tanh,
-            Sigmoid, ReLU, LeakyReLU, ELU, Softplus, BatchNorm1d, BatchNorm2d, BatchNorm3d,
-            MeanHead,
-        )
-    }
+SAME_FORWARD: tuple[type[nn.Module], ...] = (
+    # StochMan's classes whose forward computes what their torch.nn parent's does (MaxPool*d
+    # also stores the pooling indices; Identity, Flatten and Reshape have no torch.nn parent:
+    # see _PARENTLESS).
+    nnj.Identity, nnj.Linear, nnj.Conv1d, nnj.Conv2d, nnj.Conv3d, nnj.ConvTranspose1d,
+    nnj.ConvTranspose2d, nnj.ConvTranspose3d, nnj.Upsample, nnj.MaxPool1d, nnj.MaxPool2d,
+    nnj.MaxPool3d, nnj.Flatten, nnj.Reshape, nnj.Tanh, nnj.Sigmoid, nnj.ReLU, nnj.LeakyReLU,
+    nnj.ELU, nnj.Softplus, nnj.Softmax, nnj.BatchNorm1d, nnj.BatchNorm2d, nnj.BatchNorm3d,
+    # This package's leaf classes (and MeanHead): StochMan's with the sandwiches by the rules.
+    Identity, Linear, Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d,
+    Upsample, MaxPool1d, MaxPool2d, MaxPool3d, Flatten, Reshape, Tanh, Sigmoid, ReLU, LeakyReLU,
+    ELU, Softplus, BatchNorm1d, BatchNorm2d, BatchNorm3d, MeanHead,
 )  # fmt: skip
+"""The classes :func:`register` registers, each with its ``torch.nn`` parent's rule
+(:func:`torch_parent`). ``nnj`` classes with another ``forward`` (``ArcTanh`` subclasses
+``nn.Tanh``, ``PosLinear`` ``nn.Linear``) are not listed."""
+
+_PARENTLESS: dict[type[nn.Module], type[nn.Module]] = {
+    nnj.Identity: nn.Identity,
+    nnj.Flatten: nn.Flatten,  # [B, *] → [B, prod(*)], as nn.Flatten()
+    nnj.Reshape: nn.Unflatten,  # [B, *] → [B, *dims]: a view of each sample, as nn.Unflatten
+}
+"""StochMan's classes that extend ``nn.Module`` directly, and the ``torch.nn`` class each
+computes like (all three move entries without changing them: ``StructuralRule``)."""
+
+
+def torch_parent(cls: type[nn.Module]) -> type[nn.Module]:
+    """The ``torch.nn`` class whose registered rule describes ``cls``.
+
+    The nearest class in ``cls.__mro__`` that is a ``torch.nn`` class with a rule
+    (``nnj.Conv2d`` → ``nn.Conv2d``, :class:`MeanHead` → ``nn.Conv2d``), or for a class extending
+    one of ``nnj.Identity``, ``nnj.Flatten``, ``nnj.Reshape`` its counterpart in
+    :data:`_PARENTLESS`.
+
+    Raises:
+        LookupError: If there is none, naming the class.
+    """
+    for c in cls.__mro__:
+        if c in _PARENTLESS:
+            return _PARENTLESS[c]
+        if c.__module__.startswith("torch.nn.") and c in RULES:
+            return c
+    raise LookupError(f"{cls.__qualname__} has no torch.nn parent with a rule")
 
 
 def register(*, override: bool = False) -> list[type[nn.Module]]:
     """Register StochMan's ``nnj`` layers and this package's leaf classes in the rule table.
 
-    Each class gets the rule of its ``torch.nn`` parent (``nnj.Conv2d`` → ``ConvRule``,
-    ``nnj.Tanh`` → ``TanhRule``, ``nnj.MaxPool2d`` / ``nnj.Flatten`` / ``nnj.Reshape`` →
-    ``StructuralRule``, …), through :func:`lsn_ext.register_rule`; only classes whose ``forward``
-    computes what that rule describes are listed. Run on import of :mod:`lsn_ext.stochman_ext`;
-    idempotent.
+    Each class of :data:`SAME_FORWARD` gets the rule registered for its ``torch.nn`` parent
+    (:func:`torch_parent`: ``nnj.Conv2d`` → ``RULES[nn.Conv2d]``, a ``ConvRule``; ``nnj.Tanh`` →
+    a ``TanhRule``; ``nnj.MaxPool2d`` / ``nnj.Flatten`` / ``nnj.Reshape`` → a
+    ``StructuralRule``, …), through :func:`lsn_ext.register_rule`. Run on import of
+    :mod:`lsn_ext.stochman_ext`; idempotent.
     Afterwards the native engine (:func:`lsn_ext.diag_backprop`), laplace-torch's
     ``DiagBackprop`` backend and the BackPACK adapter accept ``nnj`` networks.
 
@@ -365,9 +354,9 @@ def register(*, override: bool = False) -> list[type[nn.Module]]:
         The classes newly registered (or replaced) by this call.
     """
     done = []
-    for cls, rule_cls in RULE_CLASSES.items():
+    for cls in SAME_FORWARD:
         if cls in RULES and not override:
             continue
-        register_rule(cls, rule_cls(), override=override)
+        register_rule(cls, RULES[torch_parent(cls)], override=override)
         done.append(cls)
     return done
