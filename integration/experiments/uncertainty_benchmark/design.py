@@ -1,0 +1,58 @@
+"""The uncertainty benchmark's methods: their names, the Laplace arms (posterior, predictive,
+prior rule), the posteriors' networks, and the eight networks of a seed."""
+
+from __future__ import annotations
+
+from integration.experiments.kit import ConvergedBudget, NetSpec
+
+ENSEMBLE = "Ensemble (5)"
+
+METHODS = (
+    "MAP entropy",
+    "MC dropout",
+    ENSEMBLE,
+    "U-Net + LA (nn)",
+    "U-Net + LA (nn, marglik)",
+    "U-Net + LA (glm)",
+    "U-Net + LA (glm, marglik)",
+    "LSN (nn)",
+    "LSN (glm)",
+    "LSN (glm, marglik)",
+    "LSN (diag) (nn)",
+    "LSN (diag) (glm)",
+)
+
+# Laplace methods: (posterior, predictive, prior). "grid": validation NLL of *that* predictive
+# over the prior grid (gridsearch_prior_precision with pred_type); "marglik": laplace-torch's
+# marginal likelihood, one scalar (independent of the predictive).
+LAPLACE = {
+    "U-Net + LA (nn)": ("U-Net + LA", "nn", "grid"),
+    "U-Net + LA (nn, marglik)": ("U-Net + LA", "nn", "marglik"),
+    "U-Net + LA (glm)": ("U-Net + LA", "glm", "grid"),
+    "U-Net + LA (glm, marglik)": ("U-Net + LA", "glm", "marglik"),
+    "LSN (nn)": ("LSN", "nn", "grid"),
+    "LSN (glm)": ("LSN", "glm", "grid"),
+    "LSN (glm, marglik)": ("LSN", "glm", "marglik"),
+    "LSN (diag) (nn)": ("LSN (diag)", "nn", "grid"),
+    "LSN (diag) (glm)": ("LSN (diag)", "glm", "grid"),
+}
+
+POSTERIOR_NETS = {"U-Net + LA": "unet0", "LSN": "ssn", "LSN (diag)": "ssn_diag"}
+
+IMAGE_STATS = "image statistics"
+
+# The same score on the nuclei volume kept on the 2-D training image's intensity scale (the
+# volume the models see is standardised by its own statistics, which removes a global intensity
+# shift by construction; the lesions' corruptions are applied on the one fixed input scale).
+IMAGE_STATS_RAW = "image statistics (training intensity scale)"
+
+NETS = ("unet0", "unet1", "unet2", "unet3", "unet4", "unet_do", "ssn", "ssn_diag")
+
+
+def specs(b: ConvergedBudget) -> dict[str, NetSpec]:
+    """The eight networks of a seed: five U-Nets, a dropout U-Net, rank-r and rank-0 SSNs."""
+    nets = {f"unet{k}": NetSpec("unet", member=k) for k in range(b.ensemble)}
+    nets["unet_do"] = NetSpec("unet", dropout=b.dropout)
+    nets["ssn"] = NetSpec("ssn", rank=b.rank)
+    nets["ssn_diag"] = NetSpec("ssn", rank=0)
+    return nets
