@@ -231,10 +231,10 @@ def tune_prior(la: Laplace, val: DataLoader, cfg: DemoConfig) -> float:
     """Set the prior precision by ``cfg.prior``; returns it.
 
     - ``"marglik"`` (default): laplace-torch's log marginal likelihood, one scalar, 200 Adam
-      steps of 0.1 on its logarithm from 1 (laplace-torch's start). ``integration/lsn_paper.py``
-      found it as good as the grid search in validation NLL, IoU and Box Ratio, with a stable
-      Pixel Ratio, while the grid search put the LSN's prior at ``10⁵``, above the curvature of
-      99 % of the parameters.
+      steps of 0.1 on its logarithm from 1 (laplace-torch's start). The LSN paper's experiments
+      (``integration/experiments/lsn_paper``) found it as good as the grid search in validation
+      NLL, IoU and Box Ratio, with a stable Pixel Ratio, while the grid search put the LSN's prior
+      at ``10⁵``, above the curvature of 99 % of the parameters.
       It needs a curvature of the right size: ``estimator="mc"`` or ``"db_calibrated"``
       (``"db"`` underestimates it and marglik then picks far too small priors).
     - ``"nll"``: grid search ``10⁻⁴…10⁸`` of the validation NLL
