@@ -288,7 +288,7 @@ def mc_moments(mu: torch.Tensor, var: torch.Tensor, S: int) -> tuple[torch.Tenso
 
 
 def test_two_classes_small_variance_agrees_with_monte_carlo():
-    # the regime where the bridge is good (see integration/bench_bridge.py for the full table)
+    # the regime where the bridge is good (integration/benchmarks/bench_bridge.py: the full table)
     mu, var = torch.tensor([1.5, -1.5]), torch.tensor([0.1, 0.1])
     m, v = mc_moments(mu, var, 200_000)
     d = laplace_bridge(mu[None], var[None])

@@ -20,7 +20,8 @@ starting from ``v = 0`` at the input. One forward pass gives every output's vari
 exact for a single layer, so the result is exact for a one-layer network, for the contribution of
 the last parametric layer's own parameters, and whenever only elementwise layers follow the
 parameters with non-zero variance; elsewhere it is an approximation (see
-``integration/bench_linearized.py`` for how it compares to the exact value and to sampling).
+``integration/benchmarks/bench_linearized.py`` for how it compares to the exact value and to
+sampling).
 
 Mechanism: PyTorch forward-mode AD. The parameters become dual tensors whose tangent is their
 variance; the native engine's session runs every layer with a rule as a custom autograd function
@@ -67,8 +68,8 @@ def linearized_variance(
 
     On trained networks the dropped covariances between activations add up coherently and the
     result can underestimate the exact linearised variance by orders of magnitude (the same bias
-    as DB's; measured in ``integration/bench_linearized.py``); use it as a fast, layer-local
-    approximation, not as a substitute for the exact value.
+    as DB's; measured in ``integration/benchmarks/bench_linearized.py``); use it as a fast,
+    layer-local approximation, not as a substitute for the exact value.
 
     Args:
         model: An ``nn.Module`` built from supported modules and structural operations (as for

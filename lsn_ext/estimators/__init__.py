@@ -3,7 +3,8 @@ r"""GGN-diagonal estimators beside plain diagonal backprop: Monte Carlo and cali
 Diagonal backprop (DB, :func:`~lsn_ext.diag_backprop`) is deterministic and costs one backward
 pass, but it is biased: taking the diagonal after every layer drops the cross terms between
 neighbouring pixels, and on trained networks these add up coherently, so DB underestimates the
-curvature of every layer below the last one or two (see ``integration/bench_accuracy.py``).
+curvature of every layer below the last one or two (see
+``integration/benchmarks/bench_accuracy.py``).
 :func:`ggn_diagonal` offers three estimators of ``diag Σ_n J_nᵀ H_n J_n`` from one entry point:
 
 ``"db"``
@@ -32,14 +33,14 @@ curvature of every layer below the last one or two (see ``integration/bench_accu
     ``λ = 1`` is the Monte-Carlo estimate, values in between trade DB's shape bias for
     Monte-Carlo variance. Cost: DB plus Monte Carlo.
 
-Which to use (``integration/bench_accuracy.py``, ``integration/lsn_estimators.py``): on trained
-U-Nets DB keeps 0.03–0.10 of the exact trace, and 10⁻⁶–10⁻³ of it in the encoder tensors that
-hold most of it; Monte Carlo is unbiased (relative error 0.13–0.28 with ``S = 16`` on 4 images,
-and a Laplace fit sums it over the whole data set). In the LSN experiment on nuclei patches the
-uncertainty maps agree across estimators when the prior precision is tuned on validation NLL,
-but with the marginal likelihood DB's small curvature picks a prior 10× too small and the LSN's
-maps stop localising corruptions, while Monte Carlo's match the validation-tuned ones. Hence the
-default ``"mc"`` (``S = 1``).
+Which to use (``integration/benchmarks/bench_accuracy.py``,
+``integration/experiments/lsn_estimators.py``): on trained U-Nets DB keeps 0.03–0.10 of the exact
+trace, and 10⁻⁶–10⁻³ of it in the encoder tensors that hold most of it; Monte Carlo is unbiased
+(relative error 0.13–0.28 with ``S = 16`` on 4 images, and a Laplace fit sums it over the whole data
+set). In the LSN experiment on nuclei patches the uncertainty maps agree across estimators when the
+prior precision is tuned on validation NLL, but with the marginal likelihood DB's small curvature
+picks a prior 10× too small and the LSN's maps stop localising corruptions, while Monte Carlo's
+match the validation-tuned ones. Hence the default ``"mc"`` (``S = 1``).
 
 Per-sample gradients ``J_nᵀ s_n`` are taken per parametric leaf module, from the module's input
 ``x`` and the gradient ``g`` at its output: ``torch.func.vmap`` over the batch of one
