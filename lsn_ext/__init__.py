@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see; at run time __getattr__ pro
     from lsn_ext.laplace_ext import (
         DiagBackprop,
         GridSearchResult,
+        Laplace,
         SegmentationPrediction,
         bridge_predictive,
         gridsearch_prior_precision,
@@ -72,6 +73,7 @@ _LAZY: dict[str, str] = {
     # lsn_ext.laplace_ext (laplace-torch)
     "DiagBackprop": "lsn_ext.laplace_ext",
     "GridSearchResult": "lsn_ext.laplace_ext",
+    "Laplace": "lsn_ext.laplace_ext",
     "SegmentationPrediction": "lsn_ext.laplace_ext",
     "bridge_predictive": "lsn_ext.laplace_ext",
     "gridsearch_prior_precision": "lsn_ext.laplace_ext",
@@ -106,6 +108,7 @@ __all__ = [
     "ExpectedBCE",
     "GaussianMixture",
     "GridSearchResult",
+    "Laplace",
     "LaplaceBridge",
     "LogsumexpBCE",
     "Loss",

@@ -35,6 +35,12 @@ The package's modules, each with one job:
 - :mod:`~lsn_ext.laplace_ext.checks`: argument checks (images, batches, models, posteriors);
 - :mod:`~lsn_ext.laplace_ext.predictive`: :func:`predict` and :func:`bridge_predictive`;
 - :mod:`~lsn_ext.laplace_ext.gridsearch`: :func:`gridsearch_prior_precision`;
+- :mod:`~lsn_ext.laplace_ext.head`, :mod:`~lsn_ext.laplace_ext.head_curvature`,
+  :mod:`~lsn_ext.laplace_ext.head_posterior`: a network's head (convolution or ``Linear``) as
+  the last layer: its features, exact GGN and closed-form per-pixel predictive;
+- :mod:`~lsn_ext.laplace_ext.last_layer`: laplace-torch's last-layer classes for convolution
+  heads and the per-pixel predictive mixin; :mod:`~lsn_ext.laplace_ext.factory`:
+  :func:`Laplace`, laplace-torch's factory with these classes;
 - :mod:`~lsn_ext.laplace_ext.digest`: the device-side batch fingerprint that seeds the
   Monte-Carlo vectors.
 """
@@ -53,7 +59,17 @@ from lsn_ext.laplace_ext.checks import (
     trainable_params,
 )
 from lsn_ext.laplace_ext.digest import DIGEST_LCGS, DIGEST_LCGS_CHUNK, batch_digest
+from lsn_ext.laplace_ext.factory import LAPLACE_CLASSES, Laplace, register_laplace
 from lsn_ext.laplace_ext.gridsearch import GridSearchResult, gridsearch_prior_precision
+from lsn_ext.laplace_ext.head import HeadError, HeadFeatureExtractor
+from lsn_ext.laplace_ext.head_posterior import head_logit_moments
+from lsn_ext.laplace_ext.last_layer import (
+    DiagLastLayerLaplace,
+    DiagSegmentationLaplace,
+    FullLastLayerLaplace,
+    KronLastLayerLaplace,
+    PerPixelPredictive,
+)
 from lsn_ext.laplace_ext.predictive import (
     LINK_APPROXES,
     PRED_TYPES,
@@ -61,6 +77,7 @@ from lsn_ext.laplace_ext.predictive import (
     SegmentationPrediction,
     bridge_predictive,
     glm_logits,
+    logit_draws,
     predict,
 )
 from lsn_ext.links import categorical_entropy
@@ -68,11 +85,20 @@ from lsn_ext.links import categorical_entropy
 __all__ = [
     "DIGEST_LCGS",
     "DIGEST_LCGS_CHUNK",
+    "LAPLACE_CLASSES",
     "LINK_APPROXES",
     "PRED_TYPES",
     "DiagBackprop",
+    "DiagLastLayerLaplace",
+    "DiagSegmentationLaplace",
+    "FullLastLayerLaplace",
     "GridSearchResult",
+    "HeadError",
+    "HeadFeatureExtractor",
+    "KronLastLayerLaplace",
+    "Laplace",
     "NonFinitePredictiveError",
+    "PerPixelPredictive",
     "SegmentationPrediction",
     "batch_digest",
     "bridge_predictive",
@@ -88,7 +114,10 @@ __all__ = [
     "dict_input",
     "glm_logits",
     "gridsearch_prior_precision",
+    "head_logit_moments",
     "link_of",
+    "logit_draws",
     "predict",
+    "register_laplace",
     "trainable_params",
 ]

@@ -35,6 +35,8 @@ from lsn_ext.laplace_ext.checks import (
     dict_input,
 )
 from lsn_ext.laplace_ext.digest import batch_digest, tensor_bytes
+from lsn_ext.laplace_ext.head import HeadFeatureExtractor
+from lsn_ext.laplace_ext.head_curvature import head_curvature
 from lsn_ext.links import check_link, link_of_likelihood
 from lsn_ext.lowrank import LowRankGGN, lowrank_ggn
 from lsn_ext.outputs import plain_tensor
@@ -155,7 +157,8 @@ class DiagBackprop(GGNInterface):
     Tensors``) or that has none (``StopIteration``), a loader without batches
     (``StopIteration``), a channels_last model (``view size is not compatible``; fit with
     ``model.to(memory_format=torch.contiguous_format)``), ``subset_of_weights="last_layer"`` on
-    a network without a final ``nn.Linear`` (``Use model with a linear last layer.``) and
+    a network without a final ``nn.Linear`` (``Use model with a linear last layer.``; use
+    :func:`lsn_ext.Laplace`, whose last-layer classes take convolution heads) and
     ``hessian_structure="lowrank"`` (``ImportError`` asking for asdfghjkl; the low-rank posterior
     with this backend is :class:`lsn_ext.lowrank.LowRankGGNLaplace`). See the README.
 
@@ -169,7 +172,10 @@ class DiagBackprop(GGNInterface):
             :func:`predict` follows (identity link). Reward models reshape after their head,
             so use the default Monte-Carlo estimator (or ``ce_first_step="diag"`` with
             ``estimator="db"``, whose exact first step needs the head to be the last operation).
-        last_layer: Must be false: for last-layer Laplace the built-in backends are exact.
+        last_layer: Set by laplace-torch's last-layer classes: ``full``, ``kron`` and ``diag``
+            then return the head's exact GGN (or its KFAC) in closed form
+            (:meth:`last_layer_curvature`), for ``nn.Linear`` heads and, through
+            :mod:`lsn_ext.laplace_ext.last_layer`, convolution heads.
         subnetwork_indices: Set by laplace-torch's subnetwork Laplace.
         dict_key_x: laplace-torch's key of the inputs in dictionary batches (MONAI:
             ``"image"``). laplace-torch passes the whole dictionary to the model, so the model
@@ -204,7 +210,7 @@ class DiagBackprop(GGNInterface):
             process group (default). ``False``: each rank keeps its own shard's posterior.
 
     Raises:
-        ValueError: For ``last_layer=True``, a model without parameters or with all of them
+        ValueError: For a model without parameters or with all of them
             frozen (message says which), a loss that does not match the likelihood, a
             loss with ``reduction="mean"``, an unknown estimator, bad estimator options or
             contradictory ``stochastic``/``num_samples``/``estimator``/``mc_samples``.
@@ -237,11 +243,6 @@ class DiagBackprop(GGNInterface):
         num_samples: int | None = None,
         distributed: bool = True,
     ):
-        if last_layer:
-            raise ValueError(
-                "DiagBackprop does not support subset_of_weights='last_layer': use 'all' (or a "
-                "subnetwork), or laplace-torch's own backends, which are exact for the last layer"
-            )
         # GGNInterface.__init__ would store ``stochastic``/``num_samples``; here they are
         # read-only views of the estimator, so initialise the base interface directly.
         model = _dist.unwrap(model)
@@ -469,6 +470,8 @@ class DiagBackprop(GGNInterface):
                 "Laplace(..., asdl_fisher_kwargs=...), which only the ASDL backends use; "
                 "leave asdl_fisher_kwargs out (DiagBackprop's options go in backend_kwargs)"
             )
+        if self.last_layer:
+            return self.last_layer_curvature(x, y, structure="diag", **kwargs)
         world = self._world()
         try:
             x = check_images(self._tensor_input(x), "the batch's inputs")
@@ -556,9 +559,52 @@ class DiagBackprop(GGNInterface):
         return Gs, total
 
     def full(self, *args: Any, **kwargs: Any):
-        """Not available: DB computes a diagonal."""
+        """The head's exact GGN for last-layer Laplace; not available over all weights."""
+        if self.last_layer:
+            return self.last_layer_curvature(*args, structure="full", **kwargs)
         raise NotImplementedError(
             "DiagBackprop computes the GGN diagonal only; use hessian_structure='diag'"
+        )
+
+    # -- last-layer Laplace (lsn_ext.laplace_ext.head_curvature) ------------------------------
+    def last_layer_curvature(
+        self,
+        x: Tensor | MutableMapping[str, Any],
+        y: Tensor,
+        structure: Literal["full", "diag", "kron"],
+        N: int | None = None,
+    ) -> tuple[Tensor, Any]:
+        """``(loss, H)`` of the head (``last_layer=True``): its exact GGN, or its KFAC.
+
+        laplace-torch's last-layer classes wrap the model in a ``FeatureExtractor``; the head
+        is its ``last_layer`` (an ``nn.Linear`` for laplace-torch's own classes; a convolution
+        too for :mod:`lsn_ext.laplace_ext.last_layer`). The curvature is computed in closed
+        form from the head's per-position features and the loss Hessian
+        (:func:`~lsn_ext.laplace_ext.head_curvature.head_curvature`: no Monte Carlo, so the
+        estimator options do not apply).
+
+        Raises:
+            ValueError: In a data-parallel fit (not supported for the last layer), for NaN/inf
+                inputs or targets, and for outputs laplace-torch's own last-layer classes would
+                mishandle (dense regression, cross-entropy on one channel).
+        """
+        if self._world() is not None:
+            raise ValueError(
+                "last-layer Laplace through DiagBackprop runs in one process: fit it on one "
+                "rank, or pass backend_kwargs={'distributed': False} for per-rank posteriors"
+            )
+        extractor = self.model
+        if not isinstance(x, Mapping):
+            x = check_images(plain_tensor(x), "the batch's inputs")
+            if not isinstance(extractor, HeadFeatureExtractor):
+                self._check_output(x)  # laplace-torch's own classes: n_outputs = out.shape[-1]
+        y = plain_tensor(y)
+        if not isinstance(y, Tensor):
+            raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
+        check_finite("the batch's targets", y)
+        name = getattr(extractor, "_last_layer_name", "head")
+        return head_curvature(
+            extractor.model, extractor.last_layer, x, y, self.loss_fn, structure, N, name
         )
 
     def eig_lowrank(self, data_loader: Any, rank: int = 10, **options: Any) -> LowRankGGN:
@@ -607,7 +653,9 @@ class DiagBackprop(GGNInterface):
         )  # fmt: skip
 
     def kron(self, *args: Any, **kwargs: Any):
-        """Not available: DB computes a diagonal."""
+        """The head's KFAC for last-layer Laplace; not available over all weights."""
+        if self.last_layer:
+            return self.last_layer_curvature(*args, structure="kron", **kwargs)
         raise NotImplementedError(
             "DiagBackprop computes the GGN diagonal only; use hessian_structure='diag' "
             "(a Kronecker-factored curvature is not defined for segmentation outputs here)"

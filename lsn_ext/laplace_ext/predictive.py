@@ -32,6 +32,7 @@ from lsn_ext.laplace_ext.checks import (
     dict_input,
     trainable_params,
 )
+from lsn_ext.laplace_ext.head_posterior import head_logit_draws, head_logit_moments, is_last_layer
 from lsn_ext.links import categorical_entropy, inverse_link, sigmoid_as_softmax
 from lsn_ext.moments import RunningMoments
 from lsn_ext.outputs import plain_tensor
@@ -45,6 +46,7 @@ __all__ = [
     "SegmentationPrediction",
     "bridge_predictive",
     "glm_logits",
+    "logit_draws",
     "predict",
 ]
 
@@ -283,6 +285,13 @@ def predict(
     Posterior draws are made in chunks of at most 2²⁵ numbers, so memory does not grow with
     ``n_samples`` (one chunk when they fit: the same draws as ``la.sample(n_samples)``).
 
+    Last-layer posteriors (laplace-torch's ``LLLaplace`` classes, :func:`lsn_ext.Laplace`'s
+    ``subset_of_weights="last_layer"``): the logits are linear in the head, so ``"glm"`` and
+    ``"nn"`` are the same distribution. One forward pass gives the head's features; each draw
+    costs the head only (:mod:`lsn_ext.laplace_ext.head_posterior`), and for ``"glm"``
+    ``logit_variance`` (and the covariance ``"bridge"`` uses) is exact, in closed form.
+    ``window`` is refused for them.
+
     The model runs in its current mode. Normalisation layers with running statistics must be in
     eval mode (laplace-torch's ``fit`` leaves the model in eval mode); ``predict`` refuses
     training-mode batch norm rather than normalising with the batch's statistics, and never
@@ -325,7 +334,7 @@ def predict(
     check_choice("link_approx", link_approx, LINK_APPROXES)
     window = as_window(window)
     if isinstance(x, Mapping):
-        x = dict_input(la.model, x, la.dict_key_x, "predict")
+        x = dict_input(_network(la), x, la.dict_key_x, "predict")
     x = check_images(plain_tensor(x))
     link = link_of(la)
     if link == "identity" and link_approx != "mc":
@@ -333,17 +342,31 @@ def predict(
             f"link_approx={link_approx!r} approximates a softmax or sigmoid; a regression "
             "posterior's maps are the output mean and variance: use link_approx='mc'"
         )
-    named = trainable_params(la)
+    last_layer = is_last_layer(la)  # closed-form GLM predictive (laplace_ext.head_posterior)
+    if last_layer and window is not None:
+        raise ValueError(
+            "window= is not supported for last-layer posteriors: their predictive is computed "
+            "from the head's features of one forward pass; predict the volume in one pass"
+        )
+    named = [] if last_layer else trainable_params(la)
     model = _dist.unwrap(la.model)
     check_eval_norms(model, "predict")
     full = link_approx == "bridge" and link == "softmax"
     stats = _SampleMaps(link, full)
     if pred_type == "nn":
-        for f in _nn_logits(la, model, named, x, n_samples, generator, window):
+        if last_layer:
+            draws = head_logit_draws(la, x, n_samples, generator)[1]
+        else:
+            draws = _nn_logits(la, model, named, x, n_samples, generator, window)
+        for f in draws:
             stats.add(_check_logits(f, link), logits=True)
         f_mean, f_second = stats.logits.mean, stats.logits.variance
     else:
-        f_mean, tangents = glm_logits(la, model, named, x, n_samples, generator, window)
+        if last_layer:  # the logits are linear in the head: θ* ± δ are exact GLM draws
+            f_mean, draws = head_logit_draws(la, x, (n_samples + 1) // 2, generator)
+            tangents = (f - f_mean for f in draws)
+        else:
+            f_mean, tangents = glm_logits(la, model, named, x, n_samples, generator, window)
         _check_logits(f_mean, link)
         f_second, products = torch.zeros_like(_outer(f_mean) if full else f_mean), 0
         for t in tangents:
@@ -353,6 +376,8 @@ def predict(
             if stats.probs.count < n_samples:
                 stats.add(f_mean - t, logits=False)
         f_second /= products
+        if last_layer:  # exact per-pixel (co)variance instead of its estimate
+            f_second = head_logit_moments(la, x, covariance=full)[1]
     f_var = f_second.diagonal(dim1=1, dim2=2).movedim(-1, 1) if full else f_second
     mean, variance = stats.probs.mean, stats.probs.variance
     if link == "identity":
@@ -382,6 +407,54 @@ def predict(
         link_approx,
     )
     return _check_maps(result, la)
+
+
+def _network(la: Any) -> nn.Module:
+    """The network of a posterior: ``la.model``, or a last-layer posterior's wrapped network."""
+    return la.model.model if is_last_layer(la) else la.model
+
+
+def logit_draws(
+    la: Any,
+    x: Tensor,
+    n_samples: int,
+    *,
+    pred_type: Literal["glm", "nn"] = "nn",
+    generator: torch.Generator | None = None,
+) -> Iterator[Tensor]:
+    """The logits ``[N, C, *]`` at ``n_samples`` posterior draws, one tensor per draw.
+
+    What :func:`predict` averages: ``"nn"``, the network at each draw; ``"glm"``, its
+    linearisation at antithetic pairs ``f(x; θ*) ± J δ_s``; for a last-layer posterior the
+    head at each draw (both: the logits are linear in the head). Checks the arguments at once.
+
+    Raises:
+        ValueError: As :func:`predict`, for an unfitted posterior, bad options or inputs.
+    """
+    check_fitted(la)
+    check_choice("pred_type", pred_type, PRED_TYPES)
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive int, got {n_samples!r}")
+    if isinstance(x, Mapping):
+        x = dict_input(_network(la), x, la.dict_key_x, "logit_draws")
+    x = check_images(plain_tensor(x))
+    check_eval_norms(_dist.unwrap(la.model), "logit_draws")
+    if is_last_layer(la):
+        return head_logit_draws(la, x, n_samples, generator)[1]
+    named = trainable_params(la)
+    model = _dist.unwrap(la.model)
+    if pred_type == "nn":
+        return _nn_logits(la, model, named, x, n_samples, generator)
+    f_mean, tangents = glm_logits(la, model, named, x, n_samples, generator)
+
+    def antithetic() -> Iterator[Tensor]:
+        count = 0
+        for t in tangents:
+            for f in (f_mean + t, f_mean - t)[: n_samples - count]:
+                count += 1
+                yield f
+
+    return antithetic()
 
 
 def bridge_predictive(
@@ -435,7 +508,9 @@ def bridge_predictive(
     if out_dim == 2 and link == "softmax":
         f_mu, f_var = la._glm_predictive_distribution(x)
         return bridge(f_mu.detach(), f_var.detach())
-    if variance == "linearized":
+    if is_last_layer(la):  # the head's exact per-pixel variances (closed form)
+        f_mu, f_var = head_logit_moments(la, x)
+    elif variance == "linearized":
         f_mu, f_var = linearized_variance(la.model, x, la.posterior_variance)
     else:
         if n_samples < 2:

@@ -320,17 +320,6 @@ def test_unsupported_configurations_are_refused(build, err, pattern):
         build(net).fit(DataLoader(TensorDataset(x, m), batch_size=2))
 
 
-def test_last_layer_laplace_is_refused():
-    net = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
-    la = Laplace(
-        net, "classification", subset_of_weights="last_layer", hessian_structure="diag",
-        backend=DiagBackprop,
-    )  # fmt: skip
-    loader = DataLoader(TensorDataset(torch.randn(6, 4), torch.randint(0, 3, (6,))), batch_size=3)
-    with pytest.raises(ValueError, match="subset_of_weights='last_layer'"):
-        la.fit(loader)
-
-
 def test_laplace_predictive_on_spatial_outputs_points_to_predict():
     x, m = lesions(4)
     la = make_laplace(UNet(3, 2, widths=(2, 3, 4)))
