@@ -27,6 +27,7 @@ from lsn_ext._laplace import (
     baselaplace as _laplace_module,
 )
 from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
+from lsn_ext.kron import kron_curvature
 from lsn_ext.laplace_ext.checks import (
     check_eval_norms,
     check_finite,
@@ -208,6 +209,10 @@ class DiagBackprop(GGNInterface):
         num_samples: laplace-torch's name for ``mc_samples``.
         distributed: Sum the curvature over the ranks of an initialised ``torch.distributed``
             process group (default). ``False``: each rank keeps its own shard's posterior.
+        kron_mode: ``"expand"`` (default) or ``"reduce"``, the KFAC variant of
+            ``hessian_structure="kron"`` (Eschenhagen et al., 2023; the pixels are the
+            weight-sharing dimension); ``integration/results/kron_expand_reduce.md`` measures
+            both against the exact GGN blocks.
 
     Raises:
         ValueError: For a model without parameters or with all of them
@@ -242,6 +247,7 @@ class DiagBackprop(GGNInterface):
         stochastic: bool | None = None,
         num_samples: int | None = None,
         distributed: bool = True,
+        kron_mode: Literal["expand", "reduce"] = "expand",
     ):
         # GGNInterface.__init__ would store ``stochastic``/``num_samples``; here they are
         # read-only views of the estimator, so initialise the base interface directly.
@@ -275,6 +281,9 @@ class DiagBackprop(GGNInterface):
         if not isinstance(distributed, bool):
             raise TypeError(f"distributed must be a bool, got {distributed!r}")
         self.distributed = distributed
+        if kron_mode not in ("expand", "reduce"):
+            raise ValueError(f"kron_mode must be 'expand' or 'reduce', got {kron_mode!r}")
+        self.kron_mode = kron_mode
         self._seen = 0  # samples summed over the ranks in the current fit
         self._checked_output: tuple | None = None  # fingerprint of the model last checked
         self._fit: list[int] | None = None  # [id of laplace-torch's fit frame, batches left]
@@ -563,7 +572,9 @@ class DiagBackprop(GGNInterface):
         if self.last_layer:
             return self.last_layer_curvature(*args, structure="full", **kwargs)
         raise NotImplementedError(
-            "DiagBackprop computes the GGN diagonal only; use hessian_structure='diag'"
+            "DiagBackprop does not form the full P×P GGN over all weights: use "
+            "hessian_structure='diag' or 'kron', a low-rank posterior "
+            "(lsn_ext.lowrank.LowRankGGNLaplace), or subset_of_weights='last_layer'"
         )
 
     # -- last-layer Laplace (lsn_ext.laplace_ext.head_curvature) ------------------------------
@@ -652,14 +663,53 @@ class DiagBackprop(GGNInterface):
             **options,
         )  # fmt: skip
 
-    def kron(self, *args: Any, **kwargs: Any):
-        """The head's KFAC for last-layer Laplace; not available over all weights."""
+    def kron(
+        self, x: Tensor | MutableMapping[str, Any], y: Tensor, N: int | None = None, **kwargs: Any
+    ) -> tuple[Tensor, Any]:
+        """Loss and KFAC GGN of one batch in laplace-torch's ``Kron`` format.
+
+        Over all weights: :func:`lsn_ext.kron.kron_curvature` (KFAC-``kron_mode`` factors for
+        every ``Linear``, ``Conv1–3d`` and ``ConvTranspose1–3d`` weight, a block for every other
+        parameter; ``G`` from ``mc_samples`` draws of the loss Hessian's square root, exact for
+        one BCE channel). For 3-D convolution weights host it with
+        :class:`lsn_ext.kron.KronLaplaceND` (laplace-torch's ``KronLaplace`` refuses 5-D
+        weights before the backend runs). With ``last_layer=True``: the head's KFAC.
+
+        Raises:
+            TypeError: For options other than ``N``.
+            ValueError: In a data-parallel fit or a subnetwork Laplace (not supported for
+                Kron), for NaN/inf inputs or targets, and what ``kron_curvature`` refuses.
+        """
         if self.last_layer:
-            return self.last_layer_curvature(*args, structure="kron", **kwargs)
-        raise NotImplementedError(
-            "DiagBackprop computes the GGN diagonal only; use hessian_structure='diag' "
-            "(a Kronecker-factored curvature is not defined for segmentation outputs here)"
+            return self.last_layer_curvature(x, y, structure="kron", N=N, **kwargs)
+        if kwargs:
+            raise TypeError(
+                f"DiagBackprop.kron got options {sorted(kwargs)}: these come from "
+                "Laplace(..., asdl_fisher_kwargs=...), which only the ASDL backends use"
+            )
+        if self._world() is not None or self.subnetwork_indices is not None:
+            raise ValueError(
+                "hessian_structure='kron' through DiagBackprop covers all weights of a "
+                "single-process fit: leave out subnetwork_indices and use "
+                "backend_kwargs={'distributed': False} (or one rank)"
+            )
+        x = check_images(self._tensor_input(x), "the batch's inputs")
+        y = plain_tensor(y)
+        if not isinstance(y, Tensor):
+            raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
+        check_finite("the batch's targets", y)
+        self._check_output(x)
+        result = kron_curvature(
+            self.model,
+            x,
+            y,
+            self.loss_fn,
+            N=N,
+            mode=self.kron_mode,
+            mc_samples=self.mc_samples if self.stochastic else 1,
+            generator=self._batch_generator(x, y),
         )
+        return result.loss, result.kron
 
     def jacobians(self, x: Tensor | MutableMapping[str, Any], enable_backprop: bool = False):
         """laplace-torch's Jacobians for ``[N, K]`` softmax or Gaussian models; refuses others.

@@ -19,12 +19,16 @@ from lsn_ext.laplace_ext.last_layer import (
     DiagSegmentationLaplace,
     FullLastLayerLaplace,
     KronLastLayerLaplace,
+    KronSegmentationLaplace,
+    LowRankSegmentationLaplace,
 )
 
 __all__ = ["LAPLACE_CLASSES", "Laplace", "register_laplace"]
 
 LAPLACE_CLASSES: dict[tuple[str, str], type] = {
     ("all", "diag"): DiagSegmentationLaplace,
+    ("all", "kron"): KronSegmentationLaplace,
+    ("all", "lowrank"): LowRankSegmentationLaplace,
     ("last_layer", "full"): FullLastLayerLaplace,
     ("last_layer", "kron"): KronLastLayerLaplace,
     ("last_layer", "diag"): DiagLastLayerLaplace,
@@ -67,7 +71,9 @@ def Laplace(
     Kronecker-factored curvature of the head (a ``1×1``/``k×k`` convolution, 1–3-D, transposed,
     or a ``Linear`` on tokens), fitted by :class:`~lsn_ext.DiagBackprop`; ``"full"`` gives the
     head's exact GGN, ``"diag"`` its diagonal. ``subset_of_weights="all"`` with
-    ``hessian_structure="diag"`` is the Monte-Carlo GGN diagonal over all weights. Every class
+    ``hessian_structure="diag"`` is the Monte-Carlo GGN diagonal over all weights, ``"kron"``
+    KFAC over all weights (:mod:`lsn_ext.kron`), ``"lowrank"`` a low-rank + diagonal GGN from
+    Lanczos (:mod:`lsn_ext.lowrank`). Every class
     returned predicts per pixel (``la(x)``: probabilities ``[N, C, *]``).
 
     Args:
@@ -76,7 +82,8 @@ def Laplace(
             ``backend_kwargs={"loss": "bce"}``) or ``"regression"``.
         subset_of_weights: ``"last_layer"`` (default) or ``"all"`` (see
             :data:`LAPLACE_CLASSES`).
-        hessian_structure: ``"kron"`` (default), ``"full"`` or ``"diag"``.
+        hessian_structure: ``"kron"`` (default), ``"full"`` (last layer), ``"diag"`` or
+            ``"lowrank"`` (all weights).
         *args: laplace-torch's further positional arguments of the class.
         **kwargs: Its keyword arguments (``prior_precision``, ``temperature``,
             ``last_layer_name``, ``backend`` (default :class:`~lsn_ext.DiagBackprop`),

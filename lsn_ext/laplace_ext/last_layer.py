@@ -9,8 +9,10 @@
   head_curvature`); fit, ``optimize_prior_precision(method="marglik")``, ``sample``,
   ``log_det_*`` and ``state_dict``/``load_state_dict`` are laplace-torch's. The user's model
   is not changed (laplace-torch fits a deep copy).
-- :class:`DiagSegmentationLaplace`: laplace-torch's ``DiagLaplace`` (all weights) with the same
-  per-pixel predictive.
+- :class:`DiagSegmentationLaplace`, :class:`KronSegmentationLaplace`,
+  :class:`LowRankSegmentationLaplace`: posteriors over all weights (laplace-torch's
+  ``DiagLaplace``, :class:`lsn_ext.kron.KronLaplaceND`, :class:`lsn_ext.lowrank.LowRankGGNLaplace`)
+  with the same per-pixel predictive.
 - :class:`PerPixelPredictive`: the mixin that gives them laplace-torch's predictive methods per
   pixel, classes on dim 1 (laplace-torch's own take the softmax over the *last* axis, the image
   width): ``la(x)``, ``la.predictive_samples(x)``, ``la.functional_samples(x)`` and
@@ -34,13 +36,14 @@ from torch import Tensor
 from torch.nn.utils import parameters_to_vector
 
 from lsn_ext._laplace import laplace
-from lsn_ext.kron import init_kron
+from lsn_ext.kron import KronLaplaceND, init_kron
 from lsn_ext.laplace_ext.backend import DiagBackprop, link_of
 from lsn_ext.laplace_ext.gridsearch import gridsearch_prior_precision
 from lsn_ext.laplace_ext.head import HeadFeatureExtractor
 from lsn_ext.laplace_ext.head_posterior import head_logit_moments
 from lsn_ext.laplace_ext.predictive import LINK_APPROXES, PRED_TYPES, logit_draws, predict
 from lsn_ext.links import inverse_link
+from lsn_ext.lowrank import LowRankGGNLaplace
 
 __all__ = [
     "DiagLastLayerLaplace",
@@ -244,6 +247,35 @@ class DiagSegmentationLaplace(PerPixelPredictive, _base.DiagLaplace):
     def __init__(self, model: Any, likelihood: str, *args: Any, **kwargs: Any) -> None:
         arguments = _bind(_base.DiagLaplace, model, likelihood, args, kwargs)
         _base.DiagLaplace.__init__(self, **arguments)
+
+
+class KronSegmentationLaplace(PerPixelPredictive, KronLaplaceND):
+    """KFAC over all weights (:func:`lsn_ext.kron.kron_curvature`) with the per-pixel predictive.
+
+    laplace-torch's ``KronLaplace`` (through :class:`~lsn_ext.kron.KronLaplaceND`, so 3-D
+    convolution weights work too); ``backend`` defaults to :class:`~lsn_ext.DiagBackprop`, whose
+    ``backend_kwargs={"kron_mode": "reduce"}`` selects KFAC-reduce.
+    """
+
+    _key = ("all", "kron (lsn_ext, per-pixel predictive)")
+
+    def __init__(self, model: Any, likelihood: str, *args: Any, **kwargs: Any) -> None:
+        KronLaplaceND.__init__(self, **_bind(KronLaplaceND, model, likelihood, args, kwargs))
+
+
+class LowRankSegmentationLaplace(PerPixelPredictive, LowRankGGNLaplace):
+    """Low-rank + diagonal GGN over all weights (:mod:`lsn_ext.lowrank`), per-pixel predictive.
+
+    ``backend`` defaults to :class:`~lsn_ext.DiagBackprop` (its ``eig_lowrank``: Lanczos on
+    GGN-vector products over the whole loader); everything else is
+    :class:`~lsn_ext.lowrank.LowRankGGNLaplace`'s.
+    """
+
+    _key = ("all", "lowrank (lsn_ext, per-pixel predictive)")
+
+    def __init__(self, model: Any, likelihood: str, *args: Any, **kwargs: Any) -> None:
+        arguments = _bind(LowRankGGNLaplace, model, likelihood, args, kwargs)
+        LowRankGGNLaplace.__init__(self, **arguments)
 
 
 def _bind(cls: type, model: Any, likelihood: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
