@@ -34,6 +34,7 @@ from lsn_ext._laplace import BaseLaplace, Laplace
 from lsn_ext._memory import check_sample_memory
 from lsn_ext.estimators import Estimator
 from lsn_ext.glm import sample_chunks
+from lsn_ext.kron import KronLaplaceND
 from lsn_ext.laplace_ext import (
     PRED_TYPES,
     DiagBackprop,
@@ -46,6 +47,7 @@ from lsn_ext.laplace_ext import (
     predict,
 )
 from lsn_ext.links import categorical_entropy, inverse_link, link_of_channels
+from lsn_ext.lowrank import LowRankGGNLaplace
 from lsn_ext.models.ssn import SSN, SSNOutput
 from lsn_ext.moments import RunningMoments
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy, Loss
@@ -84,6 +86,8 @@ def _restored(*modules: nn.Module, grads: bool = False) -> Iterator[None]:
 
 
 Curvature = Literal["ce", "expected", "logsumexp"]
+Structure = Literal["diag", "kron", "lowrank"]
+STRUCTURES = ("diag", "kron", "lowrank")
 CURVATURES: tuple[str, ...] = ("ce", "expected", "logsumexp")
 
 
@@ -201,12 +205,18 @@ def fit_lsn(
     distributed: bool = True,
     curvature: Curvature = "ce",
     n_samples: int | None = None,
+    hessian_structure: Structure = "diag",
+    rank: int | None = None,
 ) -> BaseLaplace:
-    """Fit the LSN posterior: a diagonal Laplace approximation over backbone + mean head.
+    """Fit the LSN posterior: a Laplace approximation over backbone + mean head.
 
     ``Laplace(MeanNetwork(ssn), "classification", subset_of_weights="all",
     hessian_structure="diag", backend=DiagBackprop)`` fitted on ``train_loader``, with the loss
-    that ``curvature`` names. ``la.n_params`` equals the number of parameters of
+    that ``curvature`` names (the paper's posterior). ``hessian_structure="kron"`` fits KFAC
+    factors over the same weights instead (:class:`lsn_ext.kron.KronLaplaceND`, ``G`` from
+    ``mc_samples`` draws of the same loss's Hessian square root), ``"lowrank"`` a low-rank +
+    diagonal GGN from Lanczos on GGN-vector products (:class:`lsn_ext.lowrank.LowRankGGNLaplace`,
+    ``rank`` eigenpairs, default 10). ``la.n_params`` equals the number of parameters of
     ``ssn.backbone`` and ``ssn.mean_head``. Tune the prior precision afterwards, e.g. with
     :func:`lsn_ext.gridsearch_prior_precision` or ``la.optimize_prior_precision``.
 
@@ -252,6 +262,8 @@ def fit_lsn(
             SSN loss). Batch ``i`` of a fit draws them from a generator seeded with
             ``hash((seed, rank, i))`` (``seed=None``: torch's global generator), so a refit on
             the same loader order reproduces the posterior. Refused for the other curvatures.
+        hessian_structure: ``"diag"`` (default), ``"kron"`` or ``"lowrank"``.
+        rank: Eigenpairs of ``"lowrank"`` (default 10); refused for the other structures.
 
     Returns:
         The fitted laplace-torch object; ``la.model`` is the :class:`MeanNetwork`.
@@ -261,10 +273,19 @@ def fit_lsn(
         ValueError: If the loader's dataset is empty, for a ``DistributedSampler`` that pads or
             drops samples (distributed fits), an unknown ``curvature``, ``"expected"`` or
             ``"logsumexp"`` for ``K ≥ 2``, ``n_samples`` that is not a positive even int or is
-            given for another curvature, and as :class:`lsn_ext.DiagBackprop`.
+            given for another curvature, an unknown ``hessian_structure``, ``rank`` without
+            ``"lowrank"``, and as :class:`lsn_ext.DiagBackprop`.
     """
     if not isinstance(ssn, SSN):
         raise TypeError(f"fit_lsn takes an lsn_ext.models.SSN, got {type(ssn).__name__}")
+    if hessian_structure not in STRUCTURES:
+        raise ValueError(
+            f"hessian_structure must be one of {STRUCTURES}, got {hessian_structure!r}"
+        )
+    if rank is not None and hessian_structure != "lowrank":
+        raise ValueError(
+            f"rank is an option of hessian_structure='lowrank', not {hessian_structure!r}"
+        )
     dataset = getattr(train_loader, "dataset", None)
     if dataset is None:
         raise TypeError(
@@ -278,21 +299,26 @@ def fit_lsn(
     mean_network = MeanNetwork(ssn)
     check_before_laplace_fit(mean_network, train_loader)
     loss, pack = _curvature_loss(ssn, curvature, pos_weight, n_samples, seed, distributed)
-    la = Laplace(
-        mean_network,
-        "classification",
-        subset_of_weights="all",
-        hessian_structure="diag",
-        backend=DiagBackprop,
-        backend_kwargs={
+    options = {
+        "backend": DiagBackprop,
+        "backend_kwargs": {
             "loss": loss,
             "estimator": estimator,
             "mc_samples": mc_samples,
             "seed": seed,
             "distributed": distributed,
         },
-        prior_precision=prior_precision,
-    )
+        "prior_precision": prior_precision,
+    }
+    if hessian_structure == "kron":
+        la = KronLaplaceND(mean_network, "classification", **options)
+    elif hessian_structure == "lowrank":
+        la = LowRankGGNLaplace(mean_network, "classification", rank=rank or 10, **options)
+    else:
+        la = Laplace(
+            mean_network, "classification", subset_of_weights="all", hessian_structure="diag",
+            **options,
+        )  # fmt: skip
     # laplace-torch's fit calls model.eval() and model.zero_grad() on the MeanNetwork, i.e. on
     # the SSN's own backbone and mean head: put their modes and gradients back.
     with _restored(ssn, grads=True):

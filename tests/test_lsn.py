@@ -149,3 +149,28 @@ def test_mc_dropout_and_ensemble_predictives():
     bern = -(ens.mean * ens.mean.log() + (1 - ens.mean) * (1 - ens.mean).log())
     torch.testing.assert_close(ens.entropy, bern[:, 0])
     assert isinstance(members[0], nn.Module)
+
+
+@pytest.mark.parametrize("structure", ["kron", "lowrank"])
+def test_lsn_with_kron_and_lowrank_posteriors(trained, structure):
+    ssn, x, y = trained
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    options = {"rank": 3} if structure == "lowrank" else {}
+    la = fit_lsn(ssn, loader, prior_precision=10.0, hessian_structure=structure, **options)
+    diag = fit_lsn(ssn, loader, prior_precision=10.0)
+    assert la.n_params == diag.n_params  # backbone + mean head, as for the diagonal
+    pred = predict_lsn(la, ssn, x[:2], n_epistemic=8, n_aleatoric=4, seed=0)
+    assert pred.epistemic.variance.shape == (2, 1, *x.shape[2:])
+    assert pred.epistemic.variance.max() > 0
+    sharp = fit_lsn(ssn, loader, prior_precision=1e12, hessian_structure=structure, **options)
+    point = predict_lsn(sharp, ssn, x[:2], n_epistemic=8, n_aleatoric=4, seed=0)
+    assert point.epistemic.variance.max() < 1e-6  # the posterior shrinks to the MAP
+
+
+def test_lsn_structure_options_are_checked(trained):
+    ssn, x, y = trained
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    with pytest.raises(ValueError, match="hessian_structure must be one of"):
+        fit_lsn(ssn, loader, hessian_structure="full")
+    with pytest.raises(ValueError, match="rank is an option of hessian_structure='lowrank'"):
+        fit_lsn(ssn, loader, rank=3)
