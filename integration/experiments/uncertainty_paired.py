@@ -77,7 +77,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def report(data: dict) -> str:
     datasets = sorted({d for d, _ in data})
-    methods = [m for m in dict.fromkeys(m for _, m in data) if m != "image statistics"]
+    # the image-statistics scores rank images only (no pixel maps, no foreground score)
+    methods = [m for m in dict.fromkeys(m for _, m in data) if not m.startswith("image statistics")]
     parts = [
         "# Uncertainty benchmark: paired differences on the foreground score and per shift",
         "Computed by `integration/experiments/uncertainty_paired.py` from "
@@ -96,7 +97,11 @@ def report(data: dict) -> str:
         for ref in REFERENCES:
             cols = [*IMAGE, *PIXEL]
             cols += [(f"shift_auroc_fg_{k}", f"shift AUROC, fg score: {k}", True) for k in SHIFT[d]]
-            rows = [[m] + [cell(data, d, m, ref, c, hib) for c, _, hib in cols] for m in methods]
+            rows = [
+                [m] + [cell(data, d, m, ref, c, hib) for c, _, hib in cols]
+                for m in methods
+                if (d, m) in data
+            ]
             parts += [
                 f"## {d}: against {ref}",
                 _table(["Method − " + ref] + [h for _, h, _ in cols], rows),
