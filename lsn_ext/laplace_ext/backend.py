@@ -472,23 +472,12 @@ class DiagBackprop(GGNInterface):
                 distributed fit for ranks that disagree on ``N`` or see more than ``N``
                 samples together (see :mod:`lsn_ext.distributed`).
         """
-        unknown = sorted(set(kwargs) - {"N"})
-        if unknown:
-            raise TypeError(
-                f"DiagBackprop got curvature options {unknown}: these come from "
-                "Laplace(..., asdl_fisher_kwargs=...), which only the ASDL backends use; "
-                "leave asdl_fisher_kwargs out (DiagBackprop's options go in backend_kwargs)"
-            )
+        _refuse_options(set(kwargs) - {"N"})
         if self.last_layer:
             return self.last_layer_curvature(x, y, structure="diag", **kwargs)
         world = self._world()
         try:
-            x = check_images(self._tensor_input(x), "the batch's inputs")
-            y = plain_tensor(y)
-            if not isinstance(y, Tensor):
-                raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
-            check_finite("the batch's targets", y)
-            self._check_output(x)
+            x, y = self._checked_batch(x, y)
             result = ggn_diagonal(
                 self.model,
                 x,
@@ -513,6 +502,16 @@ class DiagBackprop(GGNInterface):
             self._stop_together(None)
             loss, H = self._reduce(loss, H, x.shape[0], kwargs.get("N"))
         return loss, H
+
+    def _checked_batch(self, x: Tensor | MutableMapping[str, Any], y: Any) -> tuple[Tensor, Tensor]:
+        """A batch's inputs and targets as tensors, checked finite, and the model's output."""
+        x = check_images(self._tensor_input(x), "the batch's inputs")
+        y = plain_tensor(y)
+        if not isinstance(y, Tensor):
+            raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
+        check_finite("the batch's targets", y)
+        self._check_output(x)
+        return x, y
 
     def _stop_together(self, error: Exception | None) -> None:
         """One collective per batch: every rank learns which ranks could not fit their batch.
@@ -680,25 +679,16 @@ class DiagBackprop(GGNInterface):
             ValueError: In a data-parallel fit or a subnetwork Laplace (not supported for
                 Kron), for NaN/inf inputs or targets, and what ``kron_curvature`` refuses.
         """
+        _refuse_options(kwargs)
         if self.last_layer:
-            return self.last_layer_curvature(x, y, structure="kron", N=N, **kwargs)
-        if kwargs:
-            raise TypeError(
-                f"DiagBackprop.kron got options {sorted(kwargs)}: these come from "
-                "Laplace(..., asdl_fisher_kwargs=...), which only the ASDL backends use"
-            )
+            return self.last_layer_curvature(x, y, structure="kron", N=N)
         if self._world() is not None or self.subnetwork_indices is not None:
             raise ValueError(
                 "hessian_structure='kron' through DiagBackprop covers all weights of a "
                 "single-process fit: leave out subnetwork_indices and use "
                 "backend_kwargs={'distributed': False} (or one rank)"
             )
-        x = check_images(self._tensor_input(x), "the batch's inputs")
-        y = plain_tensor(y)
-        if not isinstance(y, Tensor):
-            raise TypeError(f"targets must be a tensor, got {type(y).__name__}")
-        check_finite("the batch's targets", y)
-        self._check_output(x)
+        x, y = self._checked_batch(x, y)
         result = kron_curvature(
             self.model,
             x,
@@ -740,6 +730,16 @@ class DiagBackprop(GGNInterface):
                 "lsn_ext.gridsearch_prior_precision(la, val_loader) to tune the prior"
             )
         return super().jacobians(x, enable_backprop)
+
+
+def _refuse_options(options: Any) -> None:
+    """Refuse curvature options (laplace-torch passes ``asdl_fisher_kwargs`` to the backend)."""
+    if options:
+        raise TypeError(
+            f"DiagBackprop got curvature options {sorted(options)}: these come from "
+            "Laplace(..., asdl_fisher_kwargs=...), which only the ASDL backends use; "
+            "leave asdl_fisher_kwargs out (DiagBackprop's options go in backend_kwargs)"
+        )
 
 
 def link_of(la: Any) -> str:

@@ -179,3 +179,12 @@ def test_drop_in_laplace_over_all_weights_predicts_per_pixel(structure):
     samples = la.predictive_samples(x[:2], n_samples=3)
     assert samples.shape == (3, 2, 2, 8, 8)
     torch.testing.assert_close(samples.sum(2), torch.ones(3, 2, 8, 8, dtype=probs.dtype))
+
+
+def test_kron_refuses_curvature_options_as_diag_does():
+    net = _net_2d()
+    x, y = _data((8, 8), n=2)
+    backend = lsn_ext.DiagBackprop(net, "classification")
+    for call in (backend.kron, backend.diag):
+        with pytest.raises(TypeError, match=r"curvature options \['foo'\].*asdl_fisher_kwargs"):
+            call(x, y, N=2, foo=1)
