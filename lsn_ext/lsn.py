@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -87,7 +87,7 @@ def _restored(*modules: nn.Module, grads: bool = False) -> Iterator[None]:
 
 Curvature = Literal["ce", "expected", "logsumexp"]
 Structure = Literal["diag", "kron", "lowrank"]
-STRUCTURES = ("diag", "kron", "lowrank")
+STRUCTURES = get_args(Structure)
 CURVATURES: tuple[str, ...] = ("ce", "expected", "logsumexp")
 
 

@@ -233,7 +233,17 @@ class PerPixelPredictive:
             raise TypeError(f"model keyword arguments are not supported: {sorted(model_kwargs)}")
 
 
-class DiagSegmentationLaplace(PerPixelPredictive, _base.DiagLaplace):
+class _AllWeights(PerPixelPredictive):
+    """What the all-weights classes share: laplace-torch's arguments, ``backend=DiagBackprop``."""
+
+    _laplace_class: type
+
+    def __init__(self, model: Any, likelihood: str, *args: Any, **kwargs: Any) -> None:
+        base = self._laplace_class
+        base.__init__(self, **_bind(base, model, likelihood, args, kwargs))
+
+
+class DiagSegmentationLaplace(_AllWeights, _base.DiagLaplace):
     """laplace-torch's ``DiagLaplace`` (all weights) with the per-pixel predictive.
 
     ``backend`` defaults to :class:`~lsn_ext.DiagBackprop`; everything else is
@@ -243,13 +253,10 @@ class DiagSegmentationLaplace(PerPixelPredictive, _base.DiagLaplace):
     # laplace.Laplace() maps the `_key` of every subclass to its class: a key of its own keeps
     # laplace-torch's own ("all", "diag") on DiagLaplace.
     _key = ("all", "diag (lsn_ext, per-pixel predictive)")
-
-    def __init__(self, model: Any, likelihood: str, *args: Any, **kwargs: Any) -> None:
-        arguments = _bind(_base.DiagLaplace, model, likelihood, args, kwargs)
-        _base.DiagLaplace.__init__(self, **arguments)
+    _laplace_class = _base.DiagLaplace
 
 
-class KronSegmentationLaplace(PerPixelPredictive, KronLaplaceND):
+class KronSegmentationLaplace(_AllWeights, KronLaplaceND):
     """KFAC over all weights (:func:`lsn_ext.kron.kron_curvature`) with the per-pixel predictive.
 
     laplace-torch's ``KronLaplace`` (through :class:`~lsn_ext.kron.KronLaplaceND`, so 3-D
@@ -258,12 +265,10 @@ class KronSegmentationLaplace(PerPixelPredictive, KronLaplaceND):
     """
 
     _key = ("all", "kron (lsn_ext, per-pixel predictive)")
-
-    def __init__(self, model: Any, likelihood: str, *args: Any, **kwargs: Any) -> None:
-        KronLaplaceND.__init__(self, **_bind(KronLaplaceND, model, likelihood, args, kwargs))
+    _laplace_class = KronLaplaceND
 
 
-class LowRankSegmentationLaplace(PerPixelPredictive, LowRankGGNLaplace):
+class LowRankSegmentationLaplace(_AllWeights, LowRankGGNLaplace):
     """Low-rank + diagonal GGN over all weights (:mod:`lsn_ext.lowrank`), per-pixel predictive.
 
     ``backend`` defaults to :class:`~lsn_ext.DiagBackprop` (its ``eig_lowrank``: Lanczos on
@@ -272,10 +277,7 @@ class LowRankSegmentationLaplace(PerPixelPredictive, LowRankGGNLaplace):
     """
 
     _key = ("all", "lowrank (lsn_ext, per-pixel predictive)")
-
-    def __init__(self, model: Any, likelihood: str, *args: Any, **kwargs: Any) -> None:
-        arguments = _bind(LowRankGGNLaplace, model, likelihood, args, kwargs)
-        LowRankGGNLaplace.__init__(self, **arguments)
+    _laplace_class = LowRankGGNLaplace
 
 
 def _bind(cls: type, model: Any, likelihood: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
