@@ -20,3 +20,16 @@ def _float64_and_seed():
     torch.manual_seed(0)
     yield
     torch.set_default_dtype(dtype)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests on tiny tensors, restored afterwards.
+
+    On a loaded machine several OpenMP threads spin-waiting on each other make tiny kernels
+    (small convolutions, MKL's LAPACK on r×r matrices) milliseconds to seconds slower per call.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -17,16 +17,10 @@ from lsn_ext._laplace import laplace
 from lsn_ext.kron import KronLaplaceND, kron_curvature
 from lsn_ext.models import UNet
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: the networks are tiny, and extra threads only contend for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning"),
+    pytest.mark.usefixtures("one_thread"),  # tiny networks: extra threads only contend
+]
 
 
 def _net_2d() -> nn.Module:

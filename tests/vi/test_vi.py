@@ -21,14 +21,9 @@ from lsn_ext.vi import (
 RANKS = [pytest.param(r, id=f"rank{r}") for r in (0, 1, 3)]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny problems: MKL's LAPACK (r×r Cholesky, QR) with several OpenMP threads on busy cores
-    spends milliseconds per call synchronising, which made the fit test take ~10-20 s."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny problems: MKL's LAPACK (r×r Cholesky, QR) with several OpenMP threads on busy cores
+# spends milliseconds per call synchronising, which made the fit test take ~10-20 s.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 MODES = [pytest.param(m, id=m) for m in ("single", "paired", "unscented")]
