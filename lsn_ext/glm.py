@@ -25,7 +25,7 @@ Operations without forward-mode AD support fall back, with a warning that names 
 the double-backward trick ``J δ = ∂/∂u (Jᵀ u) · δ`` (one backward pass through the retained
 backward graph per sample: the memory of a training step, the same result).
 
-Attention runs through its math kernel for the tangents (:func:`_differentiable_attention`):
+Attention runs through its math kernel for the tangents (:func:`differentiable_attention`):
 ``nn.MultiheadAttention``'s fused fast path has no forward-mode AD, and the fused
 ``scaled_dot_product_attention`` kernels (flash attention on the CPU) no double backward. The
 logits ``f(x; θ*)`` themselves come from the model's default kernels.
@@ -79,7 +79,7 @@ def sample_chunks(
 
 
 @contextlib.contextmanager
-def _differentiable_attention() -> Iterator[None]:
+def differentiable_attention() -> Iterator[None]:
     """Attention by its math kernel, which forward-mode AD and double backward both run through.
 
     Turns off ``nn.MultiheadAttention``'s (and ``nn.TransformerEncoderLayer``'s) fused fast path,
@@ -98,7 +98,8 @@ def _differentiable_attention() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(fast_path)
 
 
-def _forward_ad_unsupported(error: Exception) -> bool:
+def forward_ad_unsupported(error: Exception) -> bool:
+    """Whether ``error`` says an operation has no forward-mode AD."""
     text = str(error)
     return "forward AD" in text or "forward-mode" in text or "jvp" in text.lower()
 
@@ -151,10 +152,10 @@ def linearized_tangents(
         first = True
         for delta in deltas:
             try:
-                with _differentiable_attention():
+                with differentiable_attention():
                     _, tangent = torch.func.jvp(f, primals, split(delta))
             except (NotImplementedError, RuntimeError) as error:
-                if not (first and _forward_ad_unsupported(error)):
+                if not (first and forward_ad_unsupported(error)):
                     raise
                 warnings.warn(
                     f"{type(model).__name__} has an operation without forward-mode AD "
@@ -171,7 +172,7 @@ def linearized_tangents(
     def double_backward(first_delta: Tensor) -> Iterator[Tensor]:
         with torch.enable_grad():
             leaves = [p.detach().requires_grad_(True) for p in primals]
-            with _differentiable_attention():
+            with differentiable_attention():
                 out = f(*leaves)
             u = torch.zeros_like(out, requires_grad=True)
             vjp = torch.autograd.grad(out, leaves, u, create_graph=True, allow_unused=True)

@@ -27,9 +27,8 @@ precision. Shape legend: ``P`` the number of trainable parameters (``requires_gr
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from lsn_ext._functional import functional_call_all
+from lsn_ext.glm import differentiable_attention, forward_ad_unsupported
 from lsn_ext.rules.losses import Loss
 
 __all__ = ["GGNOperator", "loss_hessian_product"]
@@ -61,30 +61,6 @@ def loss_hessian_product(loss: Loss, logits: Tensor, targets: Tensor, u: Tensor)
     if block is None:
         return loss.hessian_diag(logits, targets) * u
     return torch.einsum("nck...,nk...->nc...", block, u)
-
-
-@contextlib.contextmanager
-def differentiable_attention() -> Iterator[None]:
-    """Attention by its math kernel (forward-mode AD and double backward run through it).
-
-    ``nn.MultiheadAttention``'s fused fast path has no forward-mode AD, and the fused
-    ``scaled_dot_product_attention`` kernels have no double backward; both settings are restored
-    on exit (same function, other round-off). :mod:`lsn_ext.glm` sets the same for its JVPs.
-    """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    fast_path = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fast_path)
-
-
-def _forward_ad_unsupported(error: Exception) -> bool:
-    text = str(error)
-    return "forward AD" in text or "forward-mode" in text or "jvp" in text.lower()
 
 
 def check_eval_mode(model: nn.Module) -> None:
@@ -219,7 +195,7 @@ class GGNOperator:
                     try:
                         product, value = self._batch_forward_mode(x, y, pieces)
                     except (NotImplementedError, RuntimeError) as error:
-                        if not _forward_ad_unsupported(error):
+                        if not forward_ad_unsupported(error):
                             raise
                         warnings.warn(
                             f"{type(self.model).__name__} has an operation without forward-mode "
