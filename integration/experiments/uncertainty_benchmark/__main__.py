@@ -23,9 +23,17 @@ from integration.experiments.kit import (
     parse_seeds,
     record_time,
 )
+from integration.experiments.uncertainty_benchmark.more import run_more_unit
 from integration.experiments.uncertainty_benchmark.report import write_report
 from integration.experiments.uncertainty_benchmark.units import run_unit
 from integration.harness import RESULTS
+
+UNIT_KINDS = {"base": run_unit, "more": run_more_unit}
+
+
+def run_any(args: tuple) -> tuple[tuple, float]:
+    """Run one unit of either kind (``(kind, root, budget, threads, key)``)."""
+    return UNIT_KINDS[args[0]](args[1:])
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -37,6 +45,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", type=Path, default=None, help="default integration/results")
     parser.add_argument("--quick", action="store_true", help="tiny sizes into a temporary dir")
     parser.add_argument("--report-only", action="store_true", help="only write the report")
+    parser.add_argument(
+        "--rows",
+        default="base,more",
+        help="which units to run: base (the diagonal Laplace, LSN, dropout, ensemble rows) "
+        "and/or more (TTA, Kron, last layer, low rank, the demo's LSN, mixture of Laplaces)",
+    )
     args = parser.parse_args(argv)
     budget = CONVERGED_QUICK if args.quick else ConvergedBudget()
     seeds = parse_seeds(args.seeds or ("0,1" if args.quick else "0-4"))
@@ -44,20 +58,23 @@ def main(argv: list[str] | None = None) -> Path:
     unknown = sorted(set(datasets) - {"lesions", "nuclei"})
     if unknown:
         parser.error(f"unknown data sets {unknown}; use lesions and/or nuclei")
+    rows = [r for r in args.rows.split(",") if r]
+    if not rows or set(rows) - set(UNIT_KINDS):
+        parser.error(f"--rows takes base and/or more, got {args.rows!r}")
     tmp = Path(tempfile.mkdtemp(prefix="uncertainty-")) if args.quick else None
     out = args.out or (tmp if tmp else RESULTS)
     root = args.cache or ((tmp / "cache") if tmp else RESULTS / ".cache" / "uncertainty")
     cache = ConvergedCache(root, budget)
     units = [] if args.report_only else [(d, s) for d in datasets for s in seeds]
-    work = [(root, budget, 1, u) for u in units]
+    work = [(kind, root, budget, 1, u) for kind in rows for u in units]
     t0 = time.perf_counter()
     if args.workers > 1 and len(work) > 1:
         with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
-            for key, dt in pool.imap_unordered(run_unit, work):
+            for key, dt in pool.imap_unordered(run_any, work):
                 record_time(cache, key, dt)
     else:
         for w in work:
-            record_time(cache, *run_unit((*w[:2], torch.get_num_threads(), w[3])))
+            record_time(cache, *run_any((*w[:3], torch.get_num_threads(), w[4])))
     if units:
         print(f"[uncertainty] all units: {time.perf_counter() - t0:.0f} s wall", flush=True)
     path = write_report(cache, datasets, seeds, out, args.quick)

@@ -37,6 +37,40 @@ LAPLACE = {
     "LSN (diag) (glm)": ("LSN (diag)", "glm", "grid"),
 }
 
+# Rows beyond the diagonal (issue 39): computed by :mod:`.more` in a unit of their own, cached
+# apart from the rows above (their networks are the same, loaded from the cache).
+TTA = "TTA (flips)"
+MIXTURE = "Mixture of LA (5)"
+LSN_DEMO = "LSN (demo setting)"
+
+MORE_METHODS = (
+    TTA,
+    "U-Net + LA (kron, nn)",
+    "U-Net + LA (kron, glm)",
+    "U-Net + LA (kron, glm, marglik)",
+    "U-Net + LA (last layer, glm)",
+    "U-Net + LA (low rank, glm)",
+    LSN_DEMO,
+    MIXTURE,
+)
+
+# The U-Net posteriors beyond the diagonal: (lsn_ext.Laplace's subset_of_weights,
+# hessian_structure), and each method's (posterior, predictive, prior).
+STRUCTURES = {
+    "kron": ("all", "kron"),
+    "last layer": ("last_layer", "full"),
+    "low rank": ("all", "lowrank"),
+}
+MORE_LAPLACE = {
+    "U-Net + LA (kron, nn)": ("kron", "nn", "grid"),
+    "U-Net + LA (kron, glm)": ("kron", "glm", "grid"),
+    "U-Net + LA (kron, glm, marglik)": ("kron", "glm", "marglik"),
+    "U-Net + LA (last layer, glm)": ("last layer", "glm", "grid"),
+    "U-Net + LA (low rank, glm)": ("low rank", "glm", "grid"),
+}
+
+ALL_METHODS = METHODS + MORE_METHODS
+
 POSTERIOR_NETS = {"U-Net + LA": "unet0", "LSN": "ssn", "LSN (diag)": "ssn_diag"}
 
 IMAGE_STATS = "image statistics"
@@ -55,4 +89,12 @@ def specs(b: ConvergedBudget) -> dict[str, NetSpec]:
     nets["unet_do"] = NetSpec("unet", dropout=b.dropout)
     nets["ssn"] = NetSpec("ssn", rank=b.rank)
     nets["ssn_diag"] = NetSpec("ssn", rank=0)
+    return nets
+
+
+def more_specs(b: ConvergedBudget) -> dict[str, NetSpec]:
+    """The networks of the rows beyond the diagonal: the five U-Nets, the dropout U-Net, and
+    the SSN of the demo's setting (rank ``b.rank``, the per-pixel expected BCE)."""
+    nets = {k: v for k, v in specs(b).items() if k.startswith("unet")}
+    nets["ssn_expected"] = NetSpec("ssn", rank=b.rank, objective="expected")
     return nets

@@ -21,6 +21,7 @@ from integration.experiments.kit import (
 from integration.experiments.tables import fmt, mean, percentile_bootstrap, table
 from integration.experiments.tables import paired as stats_paired
 from integration.experiments.uncertainty_benchmark.design import (
+    ALL_METHODS,
     ENSEMBLE,
     IMAGE_STATS,
     IMAGE_STATS_RAW,
@@ -87,6 +88,16 @@ class Report:
             for d in datasets
             for s in seeds
         }
+        more = {(d, s): cache.stored(f"unc-more-{d}-s{s}") for d in datasets for s in seeds}
+        self.more = all(v is not None for v in more.values())
+        self.methods = ALL_METHODS if self.more else METHODS
+        if self.more:  # the rows beyond the diagonal, merged into the same tables
+            for key, r in more.items():
+                self.res[key]["methods"] |= r["methods"]
+                self.res[key]["more"] = r
+                d, s = key
+                path = cache.path("unc-more-sums", d, f"s{s}")
+                self.sums[key] |= torch.load(path, weights_only=False)
 
     def values(self, d: str, method: str, metric: str, kind: str | None = None) -> list[float]:
         out = [_value(self.res[d, s]["methods"][method], metric, kind) for s in self.seeds]
@@ -188,12 +199,12 @@ PAIRED = (
 
 
 def _section_pixels(rep: Report, d: str) -> str:
-    rows = [[m] + [rep.cell(d, m, k) for k, _ in CLEAN_PIXEL] for m in METHODS]
+    rows = [[m] + [rep.cell(d, m, k) for k, _ in CLEAN_PIXEL] for m in rep.methods]
     return f"### {d}\n\n" + table(["Method"] + [h for _, h in CLEAN_PIXEL], rows)
 
 
 def _section_images(rep: Report, d: str) -> str:
-    rows = [[m] + [rep.cell(d, m, k) for k, _ in CLEAN_IMAGE] for m in METHODS]
+    rows = [[m] + [rep.cell(d, m, k) for k, _ in CLEAN_IMAGE] for m in rep.methods]
     oracle = [
         rep.res[d, s]["methods"]["MAP entropy"]["sets"]["clean"]["oracle_aurc"] for s in rep.seeds
     ]
@@ -210,7 +221,7 @@ def _section_shift(rep: Report, d: str) -> str:
     rows = []
     present = rep.res[d, rep.seeds[0]]["methods"]
     stats_rows = [m for m in (IMAGE_STATS, IMAGE_STATS_RAW) if m in present]
-    for m in (*METHODS, *stats_rows):
+    for m in (*rep.methods, *stats_rows):
         row = [m] + [rep.cell(d, m, "shift_auroc", k) for k in kinds]
         if m in (IMAGE_STATS, IMAGE_STATS_RAW):
             row += ["—", "—", "—"]
@@ -250,7 +261,7 @@ def _section_shift(rep: Report, d: str) -> str:
 def _section_paired(rep: Report, d: str) -> str:
     parts = []
     for ref in ("MAP entropy", ENSEMBLE):
-        rows = [[m] + [rep.paired(d, m, ref, k) for k, _ in PAIRED] for m in METHODS]
+        rows = [[m] + [rep.paired(d, m, ref, k) for k, _ in PAIRED] for m in rep.methods]
         parts.append(
             f"### {d}: against {ref}\n\n" + table(["Method"] + [h for _, h in PAIRED], rows)
         )
@@ -259,7 +270,7 @@ def _section_paired(rep: Report, d: str) -> str:
 
 def _section_box(rep: Report) -> str:
     rows = []
-    for m in METHODS[1:]:
+    for m in rep.methods[1:]:
         rows.append([m] + [rep.cell(d, m, "box_ratio") for d in rep.datasets])
     area = [mean([rep.res[d, s]["box_area"] for s in rep.seeds]) for d in rep.datasets]
     return (
@@ -278,7 +289,7 @@ def _section_box(rep: Report) -> str:
 def _spread_table(rep: Report) -> str:
     rows = []
     for d in rep.datasets:
-        for m in LAPLACE:
+        for m in rep.methods:
             sp = [rep.res[d, s]["methods"][m].get("spread") for s in rep.seeds]
             if any(v is None for v in sp):  # a result from before the diagnostic existed
                 continue
@@ -405,7 +416,7 @@ def risk_coverage_figure(rep: Report, path: Path) -> None:
     fig, axes = plt.subplots(1, len(rep.datasets), figsize=(5.2 * len(rep.datasets), 4.0))
     axes = [axes] if len(rep.datasets) == 1 else list(axes)
     for ax, d in zip(axes, rep.datasets, strict=True):
-        for m in METHODS:
+        for m in rep.methods:
             curves = []
             for s in rep.seeds:
                 per = rep.res[d, s]["methods"][m]["sets"]["clean"]
@@ -462,7 +473,7 @@ def write_csv(rep: Report, path: Path) -> None:
         w = csv.writer(f)
         w.writerow(header)
         for (d, s), res in rep.res.items():
-            for m in (*METHODS, IMAGE_STATS, IMAGE_STATS_RAW):
+            for m in (*rep.methods, IMAGE_STATS, IMAGE_STATS_RAW):
                 if m not in res["methods"]:
                     continue
                 r = res["methods"][m]

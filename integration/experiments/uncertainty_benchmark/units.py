@@ -4,6 +4,8 @@ networks, fit the three posteriors and their priors, predict with every method a
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +48,60 @@ def _set_prior(posteriors: dict, method: str) -> tuple[object, str]:
     la, priors = posteriors[name]
     la.prior_precision = priors[f"{pred_type}-{choice}"]
     return la, pred_type
+
+
+@dataclass
+class TestSets:
+    """The images every method is measured on: the clean test images, the shifted sets, and
+    the noise-box images of the Box Ratio."""
+
+    x_id: Tensor
+    y_id: Tensor
+    shifted: dict[str, tuple[Tensor, Tensor]]
+    x_box: Tensor
+    box: Tensor
+
+    @classmethod
+    def of(cls, data: object, n_id: int, b: ConvergedBudget, seed: int) -> TestSets:
+        """Lesions: the four corruptions of ``kit.SHIFTS`` at their middle strength; nuclei:
+        the 3-D volume's slices."""
+        x_id, y_id = data.test_x[:n_id][: b.n_test], data.test_y[:n_id][: b.n_test]
+        if data.name == "nuclei":
+            shifted = {"volume": (data.test_x[n_id:], data.test_y[n_id:])}
+        else:
+            xs, ys = x_id[: b.n_shift], y_id[: b.n_shift]
+            shifted = {k: (shift(xs, k, st[len(st) // 2]), ys) for k, (st, _) in SHIFTS.items()}
+        _, _, x_box, box, _, _ = boxed(data, b, seed)
+        return cls(x_id, y_id, shifted, x_box, box)
+
+
+def measure_method(
+    fn: Callable[[Tensor], Pred],
+    sets: TestSets,
+    b: ConvergedBudget,
+    map_clean: Pred | None = None,
+    variance: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[dict, dict, Pred]:
+    """One method's measures on every set, its per-image sums and its clean predictive.
+
+    ``map_clean``: the MAP's clean predictive, for the spread against it (posteriors only);
+    ``variance``: the epistemic ``Var p`` on images, for the Box Ratio (None for the MAP).
+    """
+    shifted = sets.shifted
+    r: dict = {}
+    preds = {"clean": fn(sets.x_id)} | {k: fn(x) for k, (x, _) in shifted.items()}
+    truth = {"clean": sets.y_id} | {k: y for k, (_, y) in shifted.items()}
+    r["sets"], sums, pooled_r = measure_sets(preds, truth, list(shifted), b)
+    r["shifted"] = {k: v for k, v in pooled_r.items() if not isinstance(v, list)}
+    clean = torch.tensor(r["sets"]["clean"]["u_mean"])
+    clean_fg = torch.tensor(r["sets"]["clean"]["u_fg"])
+    r["shift_auroc"] = {k: auroc(clean, torch.tensor(r["sets"][k]["u_mean"])) for k in shifted}
+    r["shift_auroc_fg"] = {k: auroc(clean_fg, torch.tensor(r["sets"][k]["u_fg"])) for k in shifted}
+    if map_clean is not None:
+        r["spread"] = spread(preds["clean"], map_clean)
+    if variance is not None:
+        r["box_ratio"] = box_ratio(variance(sets.x_box), sets.box).mean().item()
+    return r, sums, preds["clean"]
 
 
 def predictors(
@@ -119,41 +175,28 @@ def unit(cache: ConvergedCache, dataset: str, seed: int) -> dict:
             posteriors[name], prior_info[name] = (la, info), info
         timing["posteriors"] = time.perf_counter() - t0
 
-        x_id, y_id = data.test_x[:n_id][: b.n_test], data.test_y[:n_id][: b.n_test]
-        if dataset == "nuclei":
-            shifted = {"volume": (data.test_x[n_id:], data.test_y[n_id:])}
-        else:
-            xs, ys = x_id[: b.n_shift], y_id[: b.n_shift]
-            shifted = {k: (shift(xs, k, st[len(st) // 2]), ys) for k, (st, _) in SHIFTS.items()}
-        _, _, x_box, box, _, _ = boxed(data, b, seed)
-
+        sets = TestSets.of(data, n_id, b, seed)
         t0 = time.perf_counter()
         fns = predictors(nets, posteriors, b, seed)
         res: dict[str, dict] = {}
         sums: dict[str, dict] = {}
+        map_clean = None
         for method, fn in fns.items():
-            r: dict = {}
-            preds = {"clean": fn(x_id)} | {k: fn(x) for k, (x, _) in shifted.items()}
+
+            def variance(x: Tensor, method: str = method, fn: object = fn) -> Tensor:
+                return _epistemic_variance(method, posteriors, fn, x, b, seed)
+
+            res[method], sums[method], clean = measure_method(
+                fn,
+                sets,
+                b,
+                map_clean if method in LAPLACE else None,
+                None if method == "MAP entropy" else variance,
+            )
             if method == "MAP entropy":
-                map_clean = preds["clean"]
-            truth = {"clean": y_id} | {k: y for k, (_, y) in shifted.items()}
-            r["sets"], sums[method], pooled_r = measure_sets(preds, truth, list(shifted), b)
-            r["shifted"] = {k: v for k, v in pooled_r.items() if not isinstance(v, list)}
-            clean = torch.tensor(r["sets"]["clean"]["u_mean"])
-            clean_fg = torch.tensor(r["sets"]["clean"]["u_fg"])
-            r["shift_auroc"] = {
-                k: auroc(clean, torch.tensor(r["sets"][k]["u_mean"])) for k in shifted
-            }
-            r["shift_auroc_fg"] = {
-                k: auroc(clean_fg, torch.tensor(r["sets"][k]["u_fg"])) for k in shifted
-            }
-            if method in LAPLACE:
-                r["spread"] = spread(preds["clean"], map_clean)
-            if method != "MAP entropy":
-                var = _epistemic_variance(method, posteriors, fn, x_box, b, seed)
-                r["box_ratio"] = box_ratio(var, box).mean().item()
-            res[method] = r
+                map_clean = clean
         timing["predict and measure"] = time.perf_counter() - t0
+        x_id, shifted = sets.x_id, sets.shifted
         scores = image_statistics(
             data.train_x, {"clean": x_id} | {k: x for k, (x, _) in shifted.items()}
         )
@@ -179,7 +222,7 @@ def unit(cache: ConvergedCache, dataset: str, seed: int) -> dict:
             "nets": records,
             "posteriors": prior_info,
             "timing": timing,
-            "box_area": box.double().flatten(1).mean(1).mean().item(),
+            "box_area": sets.box.double().flatten(1).mean(1).mean().item(),
             "shift_kinds": list(shifted),
             "n_images": {"clean": len(x_id)} | {k: len(x) for k, (x, _) in shifted.items()},
         }
