@@ -23,17 +23,9 @@ from integration.experiments.kit import (
     parse_seeds,
     record_time,
 )
-from integration.experiments.uncertainty_benchmark.more import run_more_unit
+from integration.experiments.uncertainty_benchmark.more import UNIT_KINDS, run_any
 from integration.experiments.uncertainty_benchmark.report import write_report
-from integration.experiments.uncertainty_benchmark.units import run_unit
 from integration.harness import RESULTS
-
-UNIT_KINDS = {"base": run_unit, "more": run_more_unit}
-
-
-def run_any(args: tuple) -> tuple[tuple, float]:
-    """Run one unit of either kind (``(kind, root, budget, threads, key)``)."""
-    return UNIT_KINDS[args[0]](args[1:])
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -48,7 +48,7 @@ from integration.experiments.uncertainty_benchmark.design import (
     TTA,
     more_specs,
 )
-from integration.experiments.uncertainty_benchmark.units import TestSets, measure_method
+from integration.experiments.uncertainty_benchmark.units import TestSets, measure_method, run_unit
 from lsn_ext import BCEWithLogits, Laplace, gridsearch_prior_precision
 from lsn_ext.lsn import ensemble_predict, fit_lsn, mc_dropout_predict, predict_lsn
 
@@ -237,3 +237,12 @@ def run_more_unit(args: tuple) -> tuple[tuple, float]:
     t0 = time.perf_counter()
     more_unit(ConvergedCache(root, budget), dataset, seed)
     return ("uncertainty-more", dataset, seed), time.perf_counter() - t0
+
+
+UNIT_KINDS = {"base": run_unit, "more": run_more_unit}
+
+
+def run_any(args: tuple) -> tuple[tuple, float]:
+    """Run one unit of either kind, ``(kind, root, budget, threads, (dataset, seed))``; a
+    module-level function, so that spawned workers can unpickle it."""
+    return UNIT_KINDS[args[0]](args[1:])

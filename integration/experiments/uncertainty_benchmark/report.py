@@ -25,7 +25,6 @@ from integration.experiments.uncertainty_benchmark.design import (
     ENSEMBLE,
     IMAGE_STATS,
     IMAGE_STATS_RAW,
-    LAPLACE,
     METHODS,
     NETS,
     POSTERIOR_NETS,
