@@ -173,6 +173,10 @@ def noise_box(images: Tensor, *, generator: torch.Generator | None = None) -> tu
 
     Returns:
         ``(corrupted, box_masks)``: ``[N, C, S, S]`` and ``[N, 1, S, S]`` booleans.
+
+    Raises:
+        ValueError: If the images are not square ``[N, C, S, S]``, too small for a box, or not
+            floating point.
     """
     _, masks = sample_boxes(images.shape[0], _side(images), generator=generator)
     if not images.is_floating_point():
@@ -202,6 +206,9 @@ def black_box(
 
     Returns:
         ``(corrupted, box_masks)``: ``[N, C, S, S]`` and ``[N, 1, S, S]`` booleans.
+
+    Raises:
+        ValueError: If the images are not square ``[N, C, S, S]`` or too small for a box.
     """
     _, masks = sample_boxes(images.shape[0], _side(images), generator=generator)
     if black is None:
@@ -220,6 +227,13 @@ def _side(images: Tensor) -> int:
 def per_image_entropy(entropy: Tensor) -> Tensor:
     """Mean per-pixel predictive entropy of each image (LSN Fig. 7): ``[N, …] → [N]``.
 
+    Args:
+        entropy: Per-pixel entropy maps, ``[N, *spatial]`` (any number of pixel axes, with or
+            without a channel axis: all axes after the first are averaged).
+
+    Returns:
+        ``[N]``, the mean over each image's pixels.
+
     Raises:
         ValueError: For a tensor without pixel axes (``[N]`` is already one value per image).
     """
@@ -234,7 +248,15 @@ def per_image_entropy(entropy: Tensor) -> Tensor:
 def auroc(scores_id: Tensor, scores_ood: Tensor) -> float:
     """Area under the ROC curve for telling OOD (positive) from ID by a score (higher: OOD).
 
-    The Mann–Whitney statistic ``P(s_OOD > s_ID) + ½ P(s_OOD = s_ID)`` over all pairs.
+    The Mann–Whitney statistic ``P(s_OOD > s_ID) + ½ P(s_OOD = s_ID)`` over all pairs (memory
+    ``O(n_ID · n_OOD)``; :func:`roc_auc` sorts instead, for millions of scores).
+
+    Args:
+        scores_id: Scores of the in-distribution inputs, any shape (flattened).
+        scores_ood: Scores of the out-of-distribution inputs, any shape (flattened).
+
+    Returns:
+        The AUROC in ``[0, 1]``; 0.5 is chance, 1 means every OOD score is above every ID score.
 
     Raises:
         ValueError: If either set is empty or a score is NaN or infinite.
@@ -253,7 +275,12 @@ def auroc(scores_id: Tensor, scores_ood: Tensor) -> float:
 def iou(prediction: Tensor, target: Tensor) -> float:
     """Intersection over union of binary masks, pooled over all images: ``|P ∩ T| / |P ∪ T|``.
 
-    Returns 1 when both masks are empty.
+    Args:
+        prediction: Binary predicted masks (booleans or 0/1), any shape.
+        target: Binary reference masks, the same shape.
+
+    Returns:
+        The IoU in ``[0, 1]``; 1 when both masks are empty.
 
     Raises:
         ValueError: If the shapes differ or a mask is not binary (threshold probabilities and
@@ -279,6 +306,9 @@ def average_precision(scores: Tensor, labels: Tensor) -> float:
     Args:
         scores: Scores of any shape (higher: more likely positive).
         labels: Booleans (or 0/1) of the same shape.
+
+    Returns:
+        The average precision in ``[0, 1]``.
 
     Raises:
         ValueError: If the shapes differ, a score is NaN or infinite, a label is not binary, or
@@ -312,6 +342,10 @@ def boundary_band(mask: Tensor, width: int = 2) -> Tensor:
 
     Returns:
         Booleans of ``mask``'s shape.
+
+    Raises:
+        ValueError: If ``width`` is not an int of at least 1, the mask is not ``[N, 1, H, W]``
+            or ``[N, H, W]``, or it is not binary.
     """
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be an int of at least 1 (pixels), got {width!r}")
@@ -340,6 +374,9 @@ def boundary_share(variance: Tensor, mask: Tensor, width: int = 2) -> tuple[floa
         variance: ``[N, 1, H, W]`` non-negative maps.
         mask: ``[N, 1, H, W]`` binary masks.
         width: Band half-width in pixels.
+
+    Returns:
+        ``(variance_share, band_share)``, both in ``[0, 1]``.
 
     Raises:
         ValueError: If the shapes differ, or the maps are not finite or sum to zero.
@@ -428,6 +465,9 @@ def roc_auc(scores: Tensor, labels: Tensor) -> float:
         scores: Any shape, finite (e.g. per-pixel uncertainty).
         labels: Same shape, 0/1 or booleans (e.g. "pixel misclassified").
 
+    Returns:
+        The AUROC in ``[0, 1]``; 0.5 is chance.
+
     Raises:
         ValueError: For mismatched shapes, non-finite scores, non-binary labels, or labels of
             only one class.
@@ -456,6 +496,9 @@ def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = 15) 
         labels: Same shape, 0/1 or booleans.
         n_bins: Number of bins (15 as in Guo et al.).
 
+    Returns:
+        The ECE in ``[0, 1]``; 0 is perfectly calibrated.
+
     Raises:
         ValueError: For mismatched shapes, probabilities outside ``[0, 1]`` or non-finite,
             non-binary labels, or ``n_bins < 1``.
@@ -474,7 +517,14 @@ def expected_calibration_error(probs: Tensor, labels: Tensor, n_bins: int = 15) 
 def binary_nll(probs: Tensor, labels: Tensor, eps: float = 1e-7) -> float:
     """Mean negative log-likelihood in nats per pixel, ``−mean(y log p + (1 − y) log(1 − p))``.
 
-    ``p`` is clipped to ``[eps, 1 − eps]``.
+    Args:
+        probs: Foreground probabilities in ``[0, 1]``, any shape.
+        labels: Same shape, 0/1 or booleans.
+        eps: ``p`` is clipped to ``[eps, 1 − eps]`` so that a confident error costs
+            ``−log eps`` instead of infinity.
+
+    Returns:
+        The mean NLL in nats per pixel.
 
     Raises:
         ValueError: As :func:`expected_calibration_error`.
@@ -486,6 +536,13 @@ def binary_nll(probs: Tensor, labels: Tensor, eps: float = 1e-7) -> float:
 
 def brier_score(probs: Tensor, labels: Tensor) -> float:
     """Mean squared error ``mean((p − y)²)`` of foreground probabilities (binary Brier score).
+
+    Args:
+        probs: Foreground probabilities in ``[0, 1]``, any shape.
+        labels: Same shape, 0/1 or booleans.
+
+    Returns:
+        The Brier score in ``[0, 1]``; lower is better.
 
     Raises:
         ValueError: As :func:`expected_calibration_error`.
@@ -499,6 +556,13 @@ def dice_per_image(prediction: Tensor, target: Tensor) -> Tensor:
 
     Convention: an image whose prediction and mask are both empty has Dice 1 (nothing to find,
     nothing found); one empty and the other not gives 0.
+
+    Args:
+        prediction: Binary predicted masks (booleans or 0/1), ``[N, …]``.
+        target: Binary reference masks, the same shape.
+
+    Returns:
+        ``[N]`` float64 Dice scores in ``[0, 1]``.
 
     Raises:
         ValueError: For mismatched shapes or non-binary masks.
@@ -557,6 +621,13 @@ def aurc(uncertainty: Tensor, risk: Tensor) -> float:
     The mean over ``k = 1…n`` of the selective risk of the ``k`` most certain images
     (:func:`risk_coverage`).
 
+    Args:
+        uncertainty: ``[n]`` per-image uncertainty (higher: less certain).
+        risk: ``[n]`` per-image risk, e.g. ``1 − Dice``.
+
+    Returns:
+        The AURC, in the units of ``risk``.
+
     Raises:
         ValueError: As :func:`risk_coverage`.
     """
@@ -568,6 +639,12 @@ def oracle_aurc(risk: Tensor) -> float:
 
     ``E-AURC = aurc(u, risk) − oracle_aurc(risk)`` is the excess over it.
 
+    Args:
+        risk: ``[n]`` per-image risk, e.g. ``1 − Dice``.
+
+    Returns:
+        The oracle AURC, in the units of ``risk``.
+
     Raises:
         ValueError: As :func:`risk_coverage`.
     """
@@ -576,6 +653,13 @@ def oracle_aurc(risk: Tensor) -> float:
 
 def spearman(x: Tensor, y: Tensor) -> float:
     """Spearman's rank correlation: Pearson's correlation of the average ranks.
+
+    Args:
+        x: ``[n]`` values.
+        y: ``[n]`` values paired with ``x``.
+
+    Returns:
+        The correlation in ``[−1, 1]``.
 
     Raises:
         ValueError: For shapes other than two equal-length 1-D tensors of at least 2 values,
