@@ -129,7 +129,16 @@ class TopK:
     mask: Tensor
 
     def sets(self) -> list[Tensor]:
-        """The variable-length sets, one tensor of class indices per input (``[N, K]`` only)."""
+        """The variable-length sets, one tensor of class indices per input (``[N, K]`` only).
+
+        Returns:
+            ``N`` tensors of class indices, the ``n``-th ``indices[n, :count[n]]`` (most
+            plausible class first).
+
+        Raises:
+            ValueError: For per-pixel sets (``count`` not ``[N]``); read ``count`` and ``mask``
+                there.
+        """
         if self.count.dim() != 1:
             raise ValueError(
                 "sets() lists one set per input for [N, K] predictions; for per-pixel maps use "
@@ -155,6 +164,9 @@ class BridgeDirichlet(Dirichlet):
     Args:
         log_concentration: ``log α``, classes last, ``[N, *, K]``.
         validate_args: Passed to :class:`~torch.distributions.Dirichlet`.
+
+    Raises:
+        ValueError: If ``log_concentration`` is not ``[N, *, K]`` with ``K ≥ 2``.
     """
 
     def __init__(self, log_concentration: Tensor, validate_args: bool | None = None):
@@ -228,7 +240,19 @@ class BridgeDirichlet(Dirichlet):
         return a[..., :k].sum(-1) + a[..., k + 1 :].sum(-1)
 
     def marginal(self, k: int) -> Beta:
-        """The Beta marginal of class ``k``: ``π_k ~ Beta(α_k, α₀ − α_k)``, batch ``[N, *]``."""
+        """The Beta marginal of class ``k``: ``π_k ~ Beta(α_k, α₀ − α_k)``, batch ``[N, *]``.
+
+        Exact: the marginals of a Dirichlet are Beta distributions.
+
+        Args:
+            k: Class index in ``[−K, K)`` (negative counts from the end).
+
+        Returns:
+            A :class:`torch.distributions.Beta` with batch shape ``[N, *]``.
+
+        Raises:
+            ValueError: If ``k`` is out of range.
+        """
         K = self.num_classes
         if not -K <= k < K:
             raise ValueError(f"class index {k} out of range for K = {K} classes")
@@ -281,6 +305,9 @@ class BridgeDirichlet(Dirichlet):
         increases with the Gaussian's ``Σ_kk``, i.e. the Dirichlet's uncertainty follows the
         logit uncertainty (a necessary condition; the paper uses it as a proxy for a good
         approximation).
+
+        Returns:
+            Booleans in the input layout, ``[N, K, *]``: ``True`` where the condition holds.
         """
         a = self.concentration
         rest = a.sum(-1, keepdim=True) - a
@@ -306,6 +333,9 @@ class BridgeDirichlet(Dirichlet):
         Returns:
             :class:`TopK` with sorted class indices ``[N, max_k, *]``, the set size
             ``[N, *]`` and a class mask ``[N, K, *]``.
+
+        Raises:
+            ValueError: If ``threshold`` is not in ``(0, 1)`` or ``max_k < 1``.
         """
         if not 0 < threshold < 1:
             raise ValueError(f"threshold must be in (0, 1), got {threshold}")
@@ -330,7 +360,15 @@ class BridgeDirichlet(Dirichlet):
         return TopK(self._to_input(order), count, self._to_input(mask))
 
     def to_gaussian(self, full: bool = False) -> tuple[Tensor, Tensor]:
-        """The inverse map of this Dirichlet, see :func:`dirichlet_to_gaussian`."""
+        """The inverse map of this Dirichlet, see :func:`dirichlet_to_gaussian`.
+
+        Args:
+            full: Return the full covariance ``[N, K, K]`` (only for ``[N, K]`` inputs) instead
+                of its diagonal ``[N, K, *]``.
+
+        Returns:
+            ``(μ, Σ)`` in the input layout (classes in dim 1).
+        """
         return dirichlet_to_gaussian(self.alpha, full=full)
 
 
@@ -362,6 +400,10 @@ class LaplaceBridge:
             ``diag Σ`` as given, e.g. for Gaussians that come from
             :func:`dirichlet_to_gaussian` with a diagonal (Eq. 16) covariance, which are
             zero-sum by construction.
+
+    Raises:
+        ValueError: If ``norm`` is not ``None``, ``"mean"`` or ``"sum"``, or ``min_var`` is not
+            positive.
 
     Example:
         >>> bridge = LaplaceBridge()
@@ -409,9 +451,17 @@ class LaplaceBridge:
     def gaussian(self, f_mu: Tensor, f_var: Tensor) -> tuple[Tensor, Tensor]:
         """The projected (and normalised, floored) ``(μ, Σ_kk)`` that enter Eq. 19.
 
+        Args:
+            f_mu: Logit means ``[N, K]`` or per pixel ``[N, K, *]`` (classes in dim 1).
+            f_var: Full covariances ``[N, K, K]`` (for ``[N, K]`` means) or variances shaped
+                like ``f_mu``.
+
         Returns:
             ``(μ, Σ_kk)``, both with classes *last*, ``[N, *, K]``, in the result dtype (the
             input's; float32 for float16 and bfloat16 inputs).
+
+        Raises:
+            ValueError: As :meth:`__call__`.
         """
         mu, var, out = self._gaussian(f_mu, f_var)
         return mu.to(out), var.to(out)
@@ -454,7 +504,37 @@ def laplace_bridge(
     min_var: float | None = None,
     project: bool = True,
 ) -> BridgeDirichlet:
-    """Functional form of :class:`LaplaceBridge`: ``LaplaceBridge(norm, ...)(f_mu, f_var)``."""
+    r"""The Laplace-Bridge Dirichlet of Gaussian logits ``N(f_mu, f_var)`` (appendix Eq. 19).
+
+    The functional form of :class:`LaplaceBridge`:
+    ``LaplaceBridge(norm=norm, min_var=min_var, project=project)(f_mu, f_var)``. After the
+    zero-sum projection (see the module docstring),
+
+    .. math::
+
+        α_k = \frac{1}{Σ_{kk}} \Bigl(1 - \frac{2}{K} + \frac{e^{μ_k}}{K^2} \sum_l e^{-μ_l}\Bigr).
+
+    Args:
+        f_mu: Logit means ``[N, K]`` or per pixel ``[N, K, *]`` (classes in dim 1).
+        f_var: Full covariances ``[N, K, K]`` (for ``[N, K]`` means) or variances shaped like
+            ``f_mu``. A diagonal input is treated as ``Σ = diag(f_var)`` (uncorrelated logits).
+        norm: ``None`` (the paper's Eq. 19, default), ``"mean"`` (laplace-torch's
+            ``bridge_norm``) or ``"sum"`` (laplax): the rescaling ``μ ← μ/√c``, ``Σ ← Σ/c``
+            described in the module docstring; it changes the predictive mean too.
+        min_var: Floor for the projected variances ``Σ_kk``; default (``None``) the result
+            dtype's machine epsilon (``2.2e-16`` in float64, ``1.2e-7`` in float32).
+        project: Apply the zero-sum projection onto ``1ᵀf = 0`` (default). ``False`` uses
+            ``μ`` and ``diag Σ`` as given, for Gaussians that are zero-sum already (those of
+            :func:`dirichlet_to_gaussian` with a diagonal covariance).
+
+    Returns:
+        The :class:`BridgeDirichlet`; ``.probs`` and ``.probs_variance`` are ``[N, K, *]``.
+
+    Raises:
+        ValueError: For an unknown ``norm``, a non-positive ``min_var``, shapes that do not
+            match, ``K < 2``, non-finite means, non-finite or negative variances, or logits too
+            extreme for the result dtype.
+    """
     return LaplaceBridge(norm=norm, min_var=min_var, project=project)(f_mu, f_var)
 
 
@@ -660,6 +740,10 @@ def dirichlet_to_gaussian(alpha: Tensor, full: bool = False) -> tuple[Tensor, Te
 
     Returns:
         ``(μ, Σ)`` in the layout of ``alpha``; in float32 for a float16 or bfloat16 ``alpha``.
+
+    Raises:
+        ValueError: If ``alpha`` is not ``[N, K, *]`` with ``K ≥ 2``, not positive and finite,
+            or ``full`` is asked for per-pixel concentrations.
     """
     if alpha.dim() < 2 or alpha.shape[1] < 2:
         raise ValueError(f"alpha must be [N, K, *] with K >= 2, got {tuple(alpha.shape)}")
