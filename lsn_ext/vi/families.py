@@ -137,7 +137,11 @@ class StructuredGaussian(nn.Module):
         return self.diag + self.factor.pow(2).sum(1)
 
     def dense_covariance(self) -> Tensor:
-        """``Σ = diag(a) + UUᵀ``, ``[P, P]``: ``O(P²)`` memory, for checks on small ``P`` only."""
+        """``Σ = diag(a) + UUᵀ``, ``[P, P]``: ``O(P²)`` memory, for checks on small ``P`` only.
+
+        Returns:
+            The dense covariance ``[P, P]`` (differentiable).
+        """
         cov = torch.diag(self.diag)
         return cov if self.factor is None else cov + self.factor @ self.factor.T
 
@@ -152,13 +156,29 @@ class StructuredGaussian(nn.Module):
         return a, torch.linalg.cholesky(C)
 
     def logdet(self) -> Tensor:
-        """``log |Σ| = Σ_i log a_i + log |C|`` (matrix-determinant lemma), a scalar."""
+        """``log |Σ| = Σ_i log a_i + log |C|`` (matrix-determinant lemma), a scalar.
+
+        ``C = I_r + Uᵀ diag(a)⁻¹ U`` is the ``r × r`` capacitance matrix; exact, without forming
+        ``Σ``.
+
+        Returns:
+            The scalar ``log |Σ|`` (differentiable).
+        """
         a, L = self._capacitance_cholesky()
         out = a.log().sum()
         return out if L is None else out + 2 * L.diagonal().log().sum()
 
     def solve(self, rhs: Tensor) -> Tensor:
-        """``Σ⁻¹ rhs`` (Woodbury: ``D⁻¹ − D⁻¹ U C⁻¹ Uᵀ D⁻¹``) for ``rhs`` ``[P]`` or ``[P, k]``."""
+        """``Σ⁻¹ rhs`` by Woodbury, ``Σ⁻¹ = D⁻¹ − D⁻¹ U C⁻¹ Uᵀ D⁻¹`` with ``D = diag(a)``.
+
+        Exact; costs ``O(P r k + r³)`` and never forms a ``P × P`` matrix.
+
+        Args:
+            rhs: Right-hand side, ``[P]`` or ``[P, k]``.
+
+        Returns:
+            ``Σ⁻¹ rhs``, shaped like ``rhs``.
+        """
         a, L = self._capacitance_cholesky()
         vec = rhs.dim() == 1
         R = rhs[:, None] if vec else rhs
@@ -169,7 +189,18 @@ class StructuredGaussian(nn.Module):
         return out[:, 0] if vec else out
 
     def log_prob(self, theta: Tensor) -> Tensor:
-        """``log q(θ)`` for ``θ`` ``[*, P]``, returns ``[*]`` (Woodbury + determinant lemma)."""
+        """The Gaussian log-density ``log q(θ)``, evaluated exactly without forming ``Σ``.
+
+        ``log q(θ) = −½ [P log 2π + log |Σ| + (θ − μ)ᵀ Σ⁻¹ (θ − μ)]``, the quadratic form by
+        Woodbury and ``log |Σ|`` by the matrix-determinant lemma (see :meth:`solve`,
+        :meth:`logdet`); ``O(P r)`` per draw.
+
+        Args:
+            theta: Parameter vectors, ``[*, P]`` (any leading batch axes).
+
+        Returns:
+            ``[*]`` log-densities, differentiable in ``θ`` and in the variational parameters.
+        """
         a, L = self._capacitance_cholesky()
         d = theta - self.loc
         maha = (d * d / a).sum(-1)
@@ -182,7 +213,11 @@ class StructuredGaussian(nn.Module):
         return -0.5 * (self.n_params * LOG_2PI + logdet + maha)
 
     def entropy(self) -> Tensor:
-        """Closed form ``H = ½ (P (1 + log 2π) + log |Σ|)``, a scalar."""
+        """Closed form ``H = ½ (P (1 + log 2π) + log |Σ|)``, a scalar.
+
+        Returns:
+            The scalar entropy in nats (differentiable).
+        """
         return 0.5 * (self.n_params * (1 + LOG_2PI) + self.logdet())
 
     # -- sampling -----------------------------------------------------------------------------
@@ -233,8 +268,11 @@ class StructuredGaussian(nn.Module):
 
         Args:
             n: Number of draws; a multiple of 2 (``"paired"``) or ``2r`` (``"unscented"``).
-            mode: ``"single"``, ``"paired"`` or ``"unscented"`` (see the module docstring).
+            mode: ``"single"``, ``"paired"`` or ``"unscented"`` (see :mod:`lsn_ext.vi`).
             generator: Random generator.
+
+        Returns:
+            ``[n, P]`` draws, differentiable in the variational parameters.
 
         Raises:
             ValueError: For an unknown mode, an ``n`` that does not fill whole groups, or more
@@ -248,7 +286,19 @@ class StructuredGaussian(nn.Module):
     def sample(
         self, n: int, generator: torch.Generator | None = None, mode: SampleMode = "single"
     ) -> Tensor:
-        """Draws without gradient, ``[n, P]`` (see :meth:`rsample`)."""
+        """Draws without gradient, ``[n, P]`` (see :meth:`rsample`).
+
+        Args:
+            n: Number of draws; a multiple of 2 (``"paired"``) or ``2r`` (``"unscented"``).
+            generator: Random generator.
+            mode: ``"single"``, ``"paired"`` or ``"unscented"`` (see :mod:`lsn_ext.vi`).
+
+        Returns:
+            ``[n, P]`` draws, detached from the variational parameters.
+
+        Raises:
+            ValueError: As :meth:`rsample`.
+        """
         return self.rsample(n, mode, generator)
 
     def _stratified(
@@ -326,7 +376,14 @@ class GaussianMixture(nn.Module):
         return (second - self.mean**2).clamp_min(0)
 
     def log_prob(self, theta: Tensor) -> Tensor:
-        """``log q(θ) = logsumexp_c (log π_c + log N_c(θ))`` for ``θ`` ``[*, P]``, ``[*]``."""
+        """``log q(θ) = logsumexp_c (log π_c + log N_c(θ))``, exact.
+
+        Args:
+            theta: Parameter vectors, ``[*, P]``.
+
+        Returns:
+            ``[*]`` log-densities, differentiable.
+        """
         logs = torch.stack([c.log_prob(theta) for c in self.components], -1)
         return torch.logsumexp(logs + torch.log_softmax(self.logits, 0), -1)
 
@@ -339,6 +396,9 @@ class GaussianMixture(nn.Module):
         Args:
             n_samples: Draws ``S`` per component (antithetic pairs; rounded up to even).
             generator: Random generator.
+
+        Returns:
+            The scalar estimate in nats, differentiable in the variational parameters.
         """
         n = n_samples + n_samples % 2
         theta, pi = self._stratified(n, "paired", generator)
@@ -359,6 +419,18 @@ class GaussianMixture(nn.Module):
         Not differentiable in ``π`` (the ELBO uses stratified draws instead). ``mode`` couples
         the draws within a component; for ``"paired"`` / ``"unscented"`` the counts are rounded
         to whole groups, so the realised proportions differ from ``π`` by at most a group.
+
+        Args:
+            n: Number of draws; a multiple of 2 (``"paired"``) or ``2r`` (``"unscented"``).
+            mode: ``"single"``, ``"paired"`` or ``"unscented"`` (see :mod:`lsn_ext.vi`).
+            generator: Random generator (component counts, then draws).
+
+        Returns:
+            ``[n, P]`` draws, grouped by component (differentiable in the components'
+            parameters, not in ``π``).
+
+        Raises:
+            ValueError: For an unknown mode or an ``n`` that does not fill whole groups.
         """
         _check_mode(mode)
         g = _group_size(mode, self.rank)
@@ -379,7 +451,19 @@ class GaussianMixture(nn.Module):
     def sample(
         self, n: int, generator: torch.Generator | None = None, mode: SampleMode = "single"
     ) -> Tensor:
-        """Draws without gradient, ``[n, P]`` (see :meth:`rsample`), grouped by component."""
+        """Draws without gradient, ``[n, P]`` (see :meth:`rsample`), grouped by component.
+
+        Args:
+            n: Number of draws; a multiple of 2 (``"paired"``) or ``2r`` (``"unscented"``).
+            generator: Random generator.
+            mode: ``"single"``, ``"paired"`` or ``"unscented"`` (see :mod:`lsn_ext.vi`).
+
+        Returns:
+            ``[n, P]`` draws, detached from the variational parameters.
+
+        Raises:
+            ValueError: As :meth:`rsample`.
+        """
         return self.rsample(n, mode, generator)
 
 
@@ -420,6 +504,14 @@ def gaussian_kl(mean_p: Tensor, cov_p: Tensor, q: StructuredGaussian) -> Tensor:
 
     ``½ [tr(Σ_q⁻¹ S) + (μ_q − m)ᵀ Σ_q⁻¹ (μ_q − m) − P + log |Σ_q| − log |S|]`` with ``Σ_q⁻¹``
     applied by Woodbury (``S`` is ``[P, P]``, so this is for small ``P``).
+
+    Args:
+        mean_p: ``m``, the mean of ``p``, ``[P]``.
+        cov_p: ``S``, the covariance of ``p``, ``[P, P]`` (positive definite).
+        q: The structured Gaussian ``q``.
+
+    Returns:
+        The scalar KL divergence in nats (differentiable in ``q``'s parameters).
     """
     d = q.loc - mean_p
     trace = torch.trace(q.solve(cov_p))

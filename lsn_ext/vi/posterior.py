@@ -150,7 +150,12 @@ class VariationalPosterior:
     # -- the Laplace-posterior interface --------------------------------------------------------
 
     def parameters(self) -> Iterable[nn.Parameter]:
-        """The variational parameters (pass them to any ``torch.optim`` optimizer)."""
+        """The variational parameters (pass them to any ``torch.optim`` optimizer).
+
+        Returns:
+            The parameters of :attr:`q` (mean, diagonal, factor, mixture logits), not the
+            model's.
+        """
         return self.q.parameters()
 
     @property
@@ -166,15 +171,50 @@ class VariationalPosterior:
     def sample(
         self, n: int, generator: torch.Generator | None = None, mode: SampleMode = "single"
     ) -> Tensor:
-        """``n`` draws ``[n, P]`` from ``q``, no gradient (:meth:`StructuredGaussian.rsample`)."""
+        """``n`` draws of ``θ`` from ``q``, without gradient, for predictives and Monte Carlo.
+
+        ``θ = μ + √a ⊙ ε + U z`` with standard normal ``ε``, ``z`` (for a mixture: component
+        counts from ``Multinomial(n, π)``, then draws per component); see
+        :meth:`StructuredGaussian.rsample`. This is the ``sample`` of laplace-torch's
+        posteriors, so :func:`lsn_ext.predict` reads it.
+
+        Args:
+            n: Number of draws; a multiple of 2 for ``"paired"``, of ``2r`` for
+                ``"unscented"``.
+            generator: Random generator.
+            mode: ``"single"`` (independent), ``"paired"`` (antithetic ``±``) or
+                ``"unscented"`` (see :mod:`lsn_ext.vi`).
+
+        Returns:
+            ``[n, P]`` parameter vectors in the layout of the model's trainable parameters.
+
+        Raises:
+            ValueError: For an unknown mode, an ``n`` that does not fill whole groups, or more
+                draws than the device's memory holds.
+        """
         return self.q.sample(n, generator=generator, mode=mode)
 
     def log_q(self, theta: Tensor) -> Tensor:
-        """``log q(θ)`` for ``θ`` ``[*, P]``, ``[*]``."""
+        """The variational log-density ``log q(θ)``, exact (:meth:`StructuredGaussian.log_prob`).
+
+        Args:
+            theta: Parameter vectors, ``[*, P]``.
+
+        Returns:
+            ``[*]`` log-densities, differentiable in the variational parameters.
+        """
         return self.q.log_prob(theta)
 
     def entropy(self, n_samples: int = 256, generator: torch.Generator | None = None) -> Tensor:
-        """Closed form for a Gaussian; a stratified MC estimate for a mixture (``n_samples``)."""
+        """The entropy ``H[q]``: closed form for a Gaussian, a stratified MC estimate for a mixture.
+
+        Args:
+            n_samples: Draws per mixture component (ignored for a single Gaussian).
+            generator: Random generator of the mixture's draws.
+
+        Returns:
+            The scalar entropy in nats (differentiable).
+        """
         if isinstance(self.q, GaussianMixture):
             return self.q.entropy(n_samples, generator)
         return self.q.entropy()
@@ -191,7 +231,21 @@ class VariationalPosterior:
         return unflatten(named, theta)
 
     def log_likelihood(self, theta: Tensor, x: Tensor, y: Tensor) -> Tensor:
-        """``log p(y | x, θ) = −loss(f_θ(x), y)`` (summed), for one ``θ`` ``[P]``."""
+        """``log p(y | x, θ) = −loss(f_θ(x), y)`` (summed over the batch), for one ``θ``.
+
+        Args:
+            theta: One parameter vector, ``[P]``.
+            x: Inputs ``[B, *]``.
+            y: Targets, as the loss expects.
+
+        Returns:
+            The scalar log-likelihood (up to the likelihood's normalising constant),
+            differentiable in ``θ``.
+
+        Raises:
+            ValueError: If the model's trainable parameters changed since the posterior was
+                built.
+        """
         tensors = self._params(theta)
         # Copies of the buffers: a training-mode batch norm updates the copies, not the model.
         tensors.update({n: b.clone() for n, b in self.model.named_buffers()})
@@ -215,6 +269,9 @@ class VariationalPosterior:
             vectorize: ``True`` forces ``vmap`` (errors propagate), ``False`` the loop, ``None``
                 (default) tries ``vmap`` and, should it fail where the loop works, uses the
                 loop from then on (a batch that fails both ways changes nothing).
+
+        Returns:
+            ``[S]`` log-likelihoods, differentiable in ``thetas``.
         """
         use_vmap = self._vectorize if vectorize is None else vectorize
         if use_vmap:
@@ -231,7 +288,14 @@ class VariationalPosterior:
         return torch.stack([self.log_likelihood(t, x, y) for t in thetas])
 
     def log_prior(self, theta: Tensor) -> Tensor:
-        """``log N(θ; 0, λ⁻¹ I) = −½ λ ‖θ‖² + ½ P (log λ − log 2π)`` for ``θ`` ``[*, P]``."""
+        """``log N(θ; 0, λ⁻¹ I) = −½ λ ‖θ‖² + ½ P (log λ − log 2π)``.
+
+        Args:
+            theta: Parameter vectors, ``[*, P]``.
+
+        Returns:
+            ``[*]`` log prior densities.
+        """
         lam = self.prior_precision
         return -0.5 * lam * theta.pow(2).sum(-1) + 0.5 * self.n_params * (math.log(lam) - LOG_2PI)
 
