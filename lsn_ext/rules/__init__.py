@@ -231,7 +231,24 @@ def functional_forms() -> dict[str, tuple[Functional, Rule]]:
 
 
 def supported_modules() -> list[str]:
-    """Names of the module classes that have a rule, sorted."""
+    """The module classes that diagonal backpropagation has a rule for, by full name, sorted.
+
+    Read from :data:`RULES` at each call, so classes registered with :func:`register_rule` (and
+    StochMan's ``nnj`` layers, registered when :mod:`lsn_ext.stochman_ext` is imported, which
+    ``lsn_ext``'s public names do) are listed too. A rule covers its exact class, not
+    subclasses. Each rule is exact for its layer given a diagonal curvature at its output; the
+    approximation of diagonal backpropagation is that the diagonal is taken again after every
+    layer (:mod:`lsn_ext.rules.base`). Modules without a rule need the Monte-Carlo estimator
+    (``estimator="mc"``), which needs no rules.
+
+    Returns:
+        Fully qualified class names, e.g. ``"torch.nn.modules.conv.Conv2d"``, sorted.
+
+    Example:
+        >>> import lsn_ext
+        >>> "torch.nn.modules.conv.Conv2d" in lsn_ext.supported_modules()
+        True
+    """
     return sorted(f"{cls.__module__}.{cls.__qualname__}" for cls in RULES)
 
 
@@ -249,6 +266,9 @@ def get_rule(module: nn.Module, path: str = "") -> Rule:
     Args:
         module: The module to look up.
         path: Its dotted path in the model, used in the error message.
+
+    Returns:
+        The :class:`~lsn_ext.rules.base.Rule` registered for the module's exact class.
 
     Raises:
         NotImplementedError: If there is no rule for the module's exact class; the message names

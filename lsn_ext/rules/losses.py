@@ -70,15 +70,55 @@ class Loss:
     link: ClassVar[str | None] = None
 
     def value(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """The loss, a scalar."""
+        """The loss ``ℓ(f, y)`` of a batch, summed (or averaged, ``reduction="mean"``).
+
+        The negative log-likelihood of the targets up to a constant; what laplace-torch's
+        ``BaseLaplace`` and the marginal likelihood read as the data fit.
+
+        Args:
+            logits: The network's outputs ``f``, ``[N, *]`` (``[N, C, *]`` for
+                :class:`CrossEntropy`).
+            targets: As :meth:`check` accepts them.
+
+        Returns:
+            The scalar loss, differentiable in ``logits``.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         raise NotImplementedError
 
     def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """``diag(∂²ℓ/∂f²)``, shaped like ``logits``."""
+        """The diagonal of the Hessian w.r.t. the logits, ``diag(∂²ℓ/∂f²)``.
+
+        Exact for :class:`BCEWithLogits`, :class:`CrossEntropy` and :class:`MSE` (a subclass may
+        return a positive semi-definite surrogate and say so); it starts diagonal backpropagation
+        when the Hessian is diagonal (BCE, MSE), and is the diagonal of :meth:`hessian_block`
+        otherwise.
+
+        Args:
+            logits: ``[N, *]``.
+            targets: As :meth:`check` accepts them.
+
+        Returns:
+            Non-negative, shaped like ``logits``.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         raise NotImplementedError
 
     def hessian_block(self, logits: Tensor, targets: Tensor) -> Tensor | None:
-        """The per-position ``[N, C, C, *]`` Hessian block, or ``None`` when it is diagonal."""
+        """The per-position ``[N, C, C, *]`` Hessian block, or ``None`` when it is diagonal.
+
+        Args:
+            logits: ``[N, C, *]``.
+            targets: As :meth:`check` accepts them.
+
+        Returns:
+            ``[N, C, C, *]`` positive semi-definite blocks, or ``None`` (this default) for a
+            loss whose Hessian is diagonal (:meth:`hessian_diag` is then all of it).
+        """
         return None
 
     def hessian_sqrt(self, logits: Tensor, targets: Tensor, z: Tensor) -> Tensor:
@@ -107,7 +147,22 @@ class Loss:
         return self.hessian_diag(logits, targets).sqrt() * z
 
     def check(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Validate shapes and values; return the targets in the form the loss uses."""
+        """Validate shapes and values; return the targets in the form the loss uses.
+
+        Args:
+            logits: ``[N, *]``.
+            targets: The targets as given by the user.
+
+        Returns:
+            The targets in the form the loss computes with (shape and dtype).
+
+        Raises:
+            TargetShapeError: Targets whose shape does not fit the logits.
+            TargetDtypeError: Class targets that are not integers.
+            TargetRangeError: Class indices outside ``[0, C)``.
+            ValueError: Target values outside the loss's domain, or an empty batch.
+            TypeError: Targets that are not a tensor.
+        """
         raise NotImplementedError
 
 
@@ -145,6 +200,21 @@ class BCEWithLogits(Loss):
         self.pos_weight, self.weight, self.reduction = pos_weight, weight, reduction
 
     def check(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Validate BCE targets: shaped like the logits, values in ``[0, 1]``.
+
+        Args:
+            logits: ``[N, *]``.
+            targets: Targets shaped like ``logits`` (``[N, *]`` is accepted for ``[N, 1, *]``
+                logits).
+
+        Returns:
+            The targets in the logits' dtype and shape.
+
+        Raises:
+            TargetShapeError: For a shape that does not fit the logits.
+            ValueError: For values outside ``[0, 1]`` (NaN included) or an empty batch.
+            TypeError: For targets that are not a tensor.
+        """
         if targets.shape != logits.shape:
             if logits.dim() >= 2 and logits.shape[1] == 1 and targets.shape == logits[:, 0].shape:
                 targets = targets.unsqueeze(1)
@@ -168,6 +238,19 @@ class BCEWithLogits(Loss):
         return 1.0 / logits.numel() if self.reduction == "mean" else 1.0
 
     def value(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """``ℓ = −Σ w [w₊ y log σ(f) + (1 − y) log(1 − σ(f))]``, as torch's BCE with logits.
+
+        Args:
+            logits: ``[N, *]``.
+            targets: Probabilities in ``[0, 1]`` shaped like ``logits`` (``[N, *]`` for
+                ``[N, 1, *]`` logits).
+
+        Returns:
+            The scalar loss (divided by the number of entries for ``reduction="mean"``).
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         targets = self.check(logits, targets)
         pw = None if self.pos_weight is None else self.pos_weight.to(logits)
         w = None if self.weight is None else self.weight.to(logits)
@@ -176,6 +259,19 @@ class BCEWithLogits(Loss):
         )
 
     def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The Hessian ``w σ(f)(1 − σ(f))(w₊ y + 1 − y)``: diagonal, so this is all of it (exact).
+
+        Args:
+            logits: ``[N, *]``.
+            targets: Probabilities in ``[0, 1]`` shaped like ``logits`` (``[N, *]`` for
+                ``[N, 1, *]`` logits).
+
+        Returns:
+            Non-negative, shaped like ``logits``.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         targets = self.check(logits, targets)
         p = torch.sigmoid(logits)
         h = p * (1 - p)
@@ -228,6 +324,23 @@ class CrossEntropy(Loss):
         self.label_smoothing, self.reduction = label_smoothing, reduction
 
     def check(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Validate class targets: integer indices in ``[0, C)`` (or ``ignore_index``).
+
+        Args:
+            logits: ``[N, C, *]``, classes on dim 1.
+            targets: Class indices ``[N, *]``, or MONAI's label maps ``[N, 1, *]``.
+
+        Returns:
+            The targets as ``long`` class indices, ``[N, *]``.
+
+        Raises:
+            TargetShapeError: For a shape other than ``[N, *]`` or ``[N, 1, *]``.
+            TargetDtypeError: For floating-point (or complex) targets.
+            TargetRangeError: For an index outside ``[0, C)`` that is not ``ignore_index``.
+            ValueError: For logits without a class axis, class weights of the wrong length,
+                or an empty batch.
+            TypeError: For targets that are not a tensor.
+        """
         if logits.dim() < 2:
             raise ValueError(
                 f"cross-entropy needs logits [N, C, *] with classes on dim 1; got shape "
@@ -277,6 +390,19 @@ class CrossEntropy(Loss):
         return w
 
     def value(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """``ℓ = Σ_positions w_y (−log softmax(f)_y)``, as ``F.cross_entropy``.
+
+        Args:
+            logits: ``[N, C, *]``, classes on dim 1.
+            targets: Class indices ``[N, *]`` (or MONAI's ``[N, 1, *]``), integer dtype.
+
+        Returns:
+            The scalar loss (divided by ``Σ w_y`` over counted positions for
+            ``reduction="mean"``).
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         targets = self.check(logits, targets)
         w = None if self.weight is None else self.weight.to(logits)
         return F.cross_entropy(
@@ -289,6 +415,19 @@ class CrossEntropy(Loss):
         )
 
     def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The exact diagonal of the softmax block, ``w_y p_c Σ_{l≠c} p_l = w_y p_c (1 − p_c)``.
+
+        Args:
+            logits: ``[N, C, *]``, classes on dim 1.
+            targets: Class indices ``[N, *]`` (or MONAI's ``[N, 1, *]``), integer dtype.
+
+        Returns:
+            Non-negative, ``[N, C, *]``; the off-diagonal ``−w_y p_c p_l`` are in
+            :meth:`hessian_block`.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         targets = self.check(logits, targets)
         p = torch.softmax(logits, 1)
         return p * _others(p) * self._position_weight(logits, targets).unsqueeze(1)
@@ -300,6 +439,16 @@ class CrossEntropy(Loss):
         to 1 the latter is 0 while the off-diagonal entries ``−p_c p_l`` are not, and the block
         is indefinite (negative DB diagonals). As computed, the block is diagonally dominant
         with non-positive off-diagonal entries (to a few ulp), hence positive semi-definite.
+
+        Args:
+            logits: ``[N, C, *]``, classes on dim 1.
+            targets: Class indices ``[N, *]`` (or MONAI's ``[N, 1, *]``), integer dtype.
+
+        Returns:
+            ``[N, C, C, *]``, zero at ignored positions.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
         """
         targets = self.check(logits, targets)
         p = torch.softmax(logits, 1)
@@ -315,6 +464,17 @@ class CrossEntropy(Loss):
 
         ``B = diag(√p) − p √pᵀ`` gives ``B Bᵀ = diag p − 2 p pᵀ + p pᵀ Σ_c p_c = diag p − p pᵀ``:
         a square root of the softmax block without an eigendecomposition.
+
+        Args:
+            logits: ``[N, C, *]``, classes on dim 1.
+            targets: Class indices ``[N, *]`` (or MONAI's ``[N, 1, *]``), integer dtype.
+            z: ``[S, N, C, *]``, ``S`` vectors (e.g. standard normal).
+
+        Returns:
+            ``[S, N, C, *]``; ``E[s sᵀ]`` is the Hessian block when ``E[z zᵀ] = I``.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
         """
         targets = self.check(logits, targets)
         p = torch.softmax(logits, 1)
@@ -341,6 +501,19 @@ class MSE(Loss):
         self.reduction, self.factor = reduction, factor
 
     def check(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Validate regression targets: shaped like the outputs, finite.
+
+        Args:
+            logits: ``[N, *]``.
+            targets: Real targets shaped like ``logits``.
+
+        Returns:
+            The targets in the logits' dtype.
+
+        Raises:
+            TargetShapeError: For a shape other than the outputs'.
+            ValueError: For NaN or infinite targets.
+        """
         if targets.shape != logits.shape:
             raise TargetShapeError(
                 f"MSE targets of shape {tuple(targets.shape)} do not match the outputs' shape "
@@ -357,11 +530,36 @@ class MSE(Loss):
         return targets.to(logits.dtype)
 
     def value(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """``ℓ = factor · Σ (f − y)²`` (``factor = ½``: laplace-torch's regression loss).
+
+        Args:
+            logits: ``[N, *]``.
+            targets: Real targets shaped like ``logits``.
+
+        Returns:
+            The scalar loss (divided by the number of entries for ``reduction="mean"``).
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         targets = self.check(logits, targets)
         total = self.factor * (logits - targets).square().sum()
         return total / logits.numel() if self.reduction == "mean" else total
 
     def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The constant Hessian ``2 · factor`` (``1`` by default): diagonal, exact.
+
+        Args:
+            logits: ``[N, *]``.
+            targets: Real targets shaped like ``logits``.
+
+        Returns:
+            ``2 · factor`` everywhere, shaped like ``logits`` (divided by the number of
+            entries for ``reduction="mean"``).
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         self.check(logits, targets)
         h = torch.full_like(logits, 2 * self.factor)
         return h / logits.numel() if self.reduction == "mean" else h
@@ -396,6 +594,12 @@ def as_loss(loss: str | Loss | nn.Module) -> Loss:
     Names: ``"bce"``, ``"ce"`` (or ``"cross_entropy"``), ``"mse"``, all summed over the batch.
     Modules: ``nn.BCEWithLogitsLoss``, ``nn.CrossEntropyLoss`` and ``nn.MSELoss`` keep their own
     options and reduction (``nn.MSELoss`` is ``Σ (f − y)²``, Hessian ``2``).
+
+    Args:
+        loss: A name, a :class:`Loss` (returned as is) or a ``torch.nn`` loss module.
+
+    Returns:
+        The :class:`Loss`.
 
     Raises:
         ValueError: For an unknown name or ``reduction="none"``.

@@ -233,6 +233,21 @@ class ExpectedBCE(_NoisyBCE):
         return 1
 
     def check(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Validate the packed targets: shape ``[N, 2, *]``, mask in ``[0, 1]``, ``v ≥ 0``.
+
+        Args:
+            logits: The mean logits ``μ`` of a binary SSN, ``[N, 1, *]``.
+            targets: ``[N, 2, *]``: the mask in ``[0, 1]`` and the marginal variance ``v ≥ 0``
+                (:meth:`targets`).
+
+        Returns:
+            The targets in the logits' dtype.
+
+        Raises:
+            ValueError: For logits that are not ``[N, 1, *]``, targets of another shape, a mask
+                outside ``[0, 1]``, or negative or non-finite variances.
+            TypeError: For targets that are not a tensor.
+        """
         targets = super().check(logits, targets)
         if bool((targets[:, 1:] < 0).any()):
             raise ValueError("ExpectedBCE: the marginal variances (channel 1) must be >= 0")
@@ -246,13 +261,31 @@ class ExpectedBCE(_NoisyBCE):
             output: ``ssn.distribution(x)`` (binary SSN, ``K = 1``); computed without gradients.
             y: Masks ``[N, 1, H, W]`` or ``[N, H, W]`` in ``[0, 1]``.
 
+        Returns:
+            ``[N, 2, H, W]``: the mask, then ``v`` (detached).
+
         Raises:
             ValueError: For ``K ≥ 2`` or masks that do not match the logits.
+            TypeError: For an ``output`` that is not an :class:`~lsn_ext.models.SSNOutput`.
         """
         mask = _binary_mask(output, y, "ExpectedBCE")
         return torch.cat([mask, marginal_variance(output).detach()], 1)
 
     def value(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """``L_E(μ) = Σ_n Σ_s E_{η ~ N(μ_s, v_s)} [a_s softplus(η) − w₊ y_s η]``, by quadrature.
+
+        Args:
+            logits: The mean logits ``μ`` of a binary SSN, ``[N, 1, *]``.
+            targets: ``[N, 2, *]``: the mask in ``[0, 1]`` and the marginal variance ``v ≥ 0``
+                (:meth:`targets`).
+
+        Returns:
+            The scalar loss, summed over the batch; its autograd Hessian matches
+            :meth:`hessian_diag` to round-off.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         targets = self.check(logits, targets)
         mask, variance = targets[:, :1], targets[:, 1:]
         a, b = self._coefficients(mask)
@@ -265,6 +298,19 @@ class ExpectedBCE(_NoisyBCE):
         return (a * softplus - b * logits).sum()
 
     def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The exact Hessian ``a_s E_{N(μ_s, v_s)} σ(η)σ(−η)``: diagonal and PSD.
+
+        Args:
+            logits: The mean logits ``μ`` of a binary SSN, ``[N, 1, *]``.
+            targets: ``[N, 2, *]``: the mask in ``[0, 1]`` and the marginal variance ``v ≥ 0``
+                (:meth:`targets`).
+
+        Returns:
+            Non-negative, ``[N, 1, *]`` like the logits.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         targets = self.check(logits, targets)
         a, _ = self._coefficients(targets[:, :1])
         return a * expected_value(_logistic_curvature, logits, targets[:, 1:])
@@ -324,8 +370,13 @@ class LogsumexpBCE(_NoisyBCE):
             y: Masks ``[N, 1, H, W]`` or ``[N, H, W]`` in ``[0, 1]``.
             generator: Random generator of the draws (on the device of ``output``).
 
+        Returns:
+            ``[N, 1 + M, H, W]``: the mask, then the ``M`` draws (antithetic pairs when
+            ``antithetic=True``).
+
         Raises:
             ValueError: For ``K ≥ 2`` or masks that do not match the logits.
+            TypeError: For an ``output`` that is not an :class:`~lsn_ext.models.SSNOutput`.
         """
         mask = _binary_mask(output, y, "LogsumexpBCE")
         centred = SSNOutput(
@@ -348,10 +399,39 @@ class LogsumexpBCE(_NoisyBCE):
         return w.reshape(*w.shape, *([1] * (like.dim() - 2)))
 
     def value(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """LSN Eq. 11 with the draws held fixed, ``Σ_n [−logsumexp_m ℓ_m + log M]``.
+
+        Args:
+            logits: The mean logits ``μ`` of a binary SSN, ``[N, 1, *]``.
+            targets: ``[N, 1 + M, *]``: the mask in ``[0, 1]`` and the ``M`` draws ``ε^(m)``
+                (:meth:`targets`).
+
+        Returns:
+            The scalar loss, summed over the batch.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         _, log_lik, _, _ = self._draws(logits, targets)
         return (math.log(self.n_samples) - torch.logsumexp(log_lik, 1)).sum()
 
     def hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """The PSD part ``Σ_m w_m Λ(η^(m))`` of the Hessian (importance weights held fixed).
+
+        An approximation: the exact diagonal (:meth:`exact_hessian_diag`) also subtracts
+        ``Σ_m w_m (g_m − ḡ)²``; both agree at zero noise.
+
+        Args:
+            logits: The mean logits ``μ`` of a binary SSN, ``[N, 1, *]``.
+            targets: ``[N, 1 + M, *]``: the mask in ``[0, 1]`` and the ``M`` draws ``ε^(m)``
+                (:meth:`targets`).
+
+        Returns:
+            Non-negative, ``[N, 1, *]`` like the logits.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
+        """
         eta, log_lik, a, _ = self._draws(logits, targets)
         w = self._importance_weights(log_lik, eta)
         return a * (w * _logistic_curvature(eta)).sum(1, keepdim=True)
@@ -359,7 +439,18 @@ class LogsumexpBCE(_NoisyBCE):
     def exact_hessian_diag(self, logits: Tensor, targets: Tensor) -> Tensor:
         """The diagonal of the exact Hessian, ``Σ_m w_m Λ(η^(m)) − Σ_m w_m (g_m − ḡ)²``.
 
-        Not PSD in general (it can be negative); ``[N, 1, *]`` like the logits.
+        Not PSD in general (it can be negative).
+
+        Args:
+            logits: The mean logits ``μ`` of a binary SSN, ``[N, 1, *]``.
+            targets: ``[N, 1 + M, *]``: the mask in ``[0, 1]`` and the ``M`` draws ``ε^(m)``
+                (:meth:`targets`).
+
+        Returns:
+            ``[N, 1, *]`` like the logits.
+
+        Raises:
+            ValueError: For targets that do not fit the logits (see :meth:`check`).
         """
         eta, log_lik, a, b = self._draws(logits, targets)
         w = self._importance_weights(log_lik, eta)
