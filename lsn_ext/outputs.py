@@ -45,6 +45,9 @@ class SelectInput(nn.Module):
     Args:
         model: The network, taking one tensor ``[N, C, *spatial]``.
         key: The key of the images in the batches (MONAI's convention: ``"image"``).
+
+    Raises:
+        TypeError: If ``model`` is not an ``nn.Module``.
     """
 
     def __init__(self, model: nn.Module, key: str = "image"):
@@ -55,7 +58,18 @@ class SelectInput(nn.Module):
         self.key = key
 
     def forward(self, x: Tensor | Mapping[str, Any]) -> Any:
-        """``model(x[key])`` for a dictionary, ``model(x)`` for a tensor."""
+        """``model(x[key])`` for a dictionary, ``model(x)`` for a tensor.
+
+        Args:
+            x: Images ``[N, C, *spatial]`` (a ``MetaTensor`` is passed on as a plain tensor), or
+                a dictionary batch holding them under ``key``.
+
+        Returns:
+            What ``model`` returns, e.g. logits ``[N, K, *spatial]``.
+
+        Raises:
+            KeyError: If a dictionary batch has no entry ``key``.
+        """
         if isinstance(x, Mapping):
             if self.key not in x:
                 raise KeyError(
@@ -66,7 +80,11 @@ class SelectInput(nn.Module):
         return self.model(plain_tensor(x))
 
     def extra_repr(self) -> str:
-        """The key."""
+        """The key, shown in ``repr(model)``.
+
+        Returns:
+            ``"key=…"``.
+        """
         return f"key={self.key!r}"
 
 
@@ -95,7 +113,20 @@ class SelectOutput(nn.Module):
         self.key = key
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
-        """The entry ``key`` of ``model(*args, **kwargs)``."""
+        """The entry ``key`` of ``model(*args, **kwargs)``.
+
+        Args:
+            *args: Passed to ``model``.
+            **kwargs: Passed to ``model``.
+
+        Returns:
+            The selected logits, e.g. ``[N, K, *spatial]``.
+
+        Raises:
+            TypeError: If ``model`` returns a single tensor (no wrapper needed) or the entry
+                is not a tensor.
+            KeyError: If the output has no entry ``key``.
+        """
         out = self.model(*args, **kwargs)
         if isinstance(out, Tensor):
             raise TypeError(
@@ -113,5 +144,9 @@ class SelectOutput(nn.Module):
         return picked
 
     def extra_repr(self) -> str:
-        """``key=...`` in the module's repr."""
+        """``key=...`` in the module's repr.
+
+        Returns:
+            ``"key=…"``.
+        """
         return f"key={self.key!r}"

@@ -64,7 +64,18 @@ class SlidingWindow:
             raise ValueError(f"sw_batch_size must be positive, got {self.sw_batch_size}")
 
     def __call__(self, network: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-        """Blended logits of ``network`` over the windows of ``x`` ``[N, C_in, *spatial]``.
+        """Blended logits of ``network`` over the windows of ``x``.
+
+        ``f̃(x) = Σ_i w_i f_i(x)``, MONAI's blending weights normalised to sum to 1 at every
+        voxel.
+
+        Args:
+            network: Maps a batch of windows ``[B, C_in, *roi_size]`` to logits
+                ``[B, K, *roi_size]``.
+            x: The input volume(s), ``[N, C_in, *spatial]``.
+
+        Returns:
+            Logits over the whole input, ``[N, K, *spatial]``.
 
         Raises:
             ImportError: If MONAI is not installed.
@@ -98,6 +109,12 @@ def as_window(window: object) -> Callable[[Callable[[Tensor], Tensor], Tensor], 
     A tuple or list of ints is the window size (``roi_size``, one int per spatial axis) with the
     default settings: ``window=(96, 96, 96)`` is ``SlidingWindow((96, 96, 96))``. ``None``, a
     :class:`SlidingWindow` and any other ``(network, x) -> logits`` callable pass unchanged.
+
+    Args:
+        window: ``None``, a window size, a :class:`SlidingWindow` or a callable.
+
+    Returns:
+        ``None`` or a ``(network, x) -> logits`` callable.
 
     Raises:
         TypeError: For anything else, naming its type and the accepted forms.

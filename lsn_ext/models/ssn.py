@@ -90,7 +90,11 @@ class SSNOutput:
         return self.mean + noise
 
     def covariance(self) -> Tensor:
-        """The dense covariance ``diag(d) + P Pᵀ``, ``[N, D, D]`` (for tests and small images)."""
+        """The dense covariance ``diag(d) + P Pᵀ``, ``[N, D, D]`` (for tests and small images).
+
+        Returns:
+            ``[N, D, D]`` with ``D = K·H·W``, ``O(D²)`` memory per image.
+        """
         P = self.cov_factor
         return torch.diag_embed(self.cov_diag.flatten(1)) + P @ P.transpose(-1, -2)
 
@@ -107,6 +111,11 @@ class SSNOutput:
         (SSN issue #4). Then the same distribution is built again in float64, which recovers
         all cases we have seen; if that fails too, a ``ValueError`` says why. The distribution
         is never replaced by a different (e.g. diagonal) one.
+
+        Returns:
+            A ``LowRankMultivariateNormal`` (or, for rank 0, an ``Independent(Normal)``) with
+            batch shape ``[N]`` and event shape ``[D]``, ``D = K·H·W``; in float64 when the
+            float32 factorisation failed.
 
         Raises:
             ValueError: If the capacitance matrix cannot be factorised even in float64.
@@ -206,6 +215,23 @@ class SSN(nn.Module):
 
         The backbone is the U-Net without its 1×1 output convolution (``head`` is an
         ``nn.Identity``): its features are the last decoder block's ``widths[0]`` activations.
+
+        Args:
+            in_channels: Channels of the input images.
+            num_classes: ``K`` (1: binary with sigmoid).
+            widths: The U-Net's feature maps per level (see :class:`~lsn_ext.models.UNet`);
+                ``H`` and ``W`` must be divisible by ``2 ** (len(widths) - 1)``.
+            activation: Zero-argument callable returning the U-Net's activation module.
+            rank: ``r``, the rank of the covariance factor (0: diagonal only).
+            eps: ``ε``, added to the diagonal.
+            dropout: The U-Net's ``nn.Dropout2d`` rate (0: none).
+            upsampling: ``"nearest"`` (default), ``"bilinear"`` or ``"transposed"``.
+
+        Returns:
+            The SSN, with ``widths[0]`` features into its heads.
+
+        Raises:
+            ValueError: As :class:`~lsn_ext.models.UNet` and :class:`SSN`.
         """
         backbone = UNet(
             in_channels,
@@ -219,11 +245,25 @@ class SSN(nn.Module):
         return cls(backbone, widths[0], num_classes, rank, eps)
 
     def forward(self, x: Tensor) -> Tensor:
-        """The logit mean ``μ(x)``, ``[N, K, H, W]``."""
+        """The logit mean ``μ(x)``, so that the SSN is a drop-in segmentation network.
+
+        Args:
+            x: Images ``[N, C_in, H, W]``.
+
+        Returns:
+            ``μ``, ``[N, K, H, W]``.
+        """
         return self.mean_head(self.backbone(x))
 
     def distribution(self, x: Tensor) -> SSNOutput:
-        """The logit distribution for images ``x`` ``[N, C_in, H, W]`` (see :class:`SSNOutput`).
+        """The logit distribution ``N(μ, diag(d) + P Pᵀ)`` for a batch of images.
+
+        Args:
+            x: Images ``[N, C_in, H, W]``.
+
+        Returns:
+            The :class:`SSNOutput`: ``mean`` and ``cov_diag`` ``[N, K, H, W]``, ``cov_factor``
+            ``[N, K·H·W, r]``.
 
         Raises:
             ValueError: For non-finite images or a non-finite distribution (naming which part).
@@ -250,7 +290,11 @@ class SSN(nn.Module):
         return SSNOutput(mean, cov_diag, factor)
 
     def extra_repr(self) -> str:
-        """Classes, rank and ε."""
+        """Classes, rank and ε, shown in ``repr(model)``.
+
+        Returns:
+            ``"num_classes=…, rank=…, eps=…"``.
+        """
         return f"num_classes={self.num_classes}, rank={self.rank}, eps={self.eps}"
 
 

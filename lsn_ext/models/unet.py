@@ -208,5 +208,9 @@ class UNet(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        """The widths and the upsampling, shown in ``repr(model)``."""
+        """The widths and the upsampling, shown in ``repr(model)``.
+
+        Returns:
+            ``"widths=…, upsampling=…"``.
+        """
         return f"widths={self.widths}, upsampling={self.upsampling!r}"
