@@ -173,6 +173,10 @@ def deflated_trace(
         probes: Number of probes (``0``: the Krylov part only).
         generator: For the probes (on the basis's device).
 
+    Returns:
+        The :class:`TraceEstimate`: the estimate, its standard error and the exact Krylov
+        part.
+
     Raises:
         ValueError: For a negative number of probes.
     """
@@ -200,6 +204,10 @@ def choose_rank(eigenvalues: Tensor, trace: float, energy: float) -> int:
         eigenvalues: ``[m]``, descending, non-negative.
         trace: ``tr G`` (e.g. :func:`deflated_trace`).
         energy: The fraction, in ``(0, 1]``.
+
+    Returns:
+        The number of leading eigenpairs to keep, in ``[1, m]`` (``m`` when no prefix reaches
+        the fraction).
 
     Raises:
         ValueError: For ``energy`` outside ``(0, 1]``.

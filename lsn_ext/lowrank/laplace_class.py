@@ -62,9 +62,8 @@ class LowRankGGNLaplace(baselaplace.LowRankLaplace):
     and :func:`lsn_ext.predict` for per-pixel maps (module documentation for the maths).
 
     Args:
-        model, likelihood, sigma_noise, prior_precision, prior_mean, temperature,
-        enable_backprop, dict_key_x, dict_key_y, backend_kwargs, asdl_fisher_kwargs: As for
-            laplace-torch's ``LowRankLaplace``.
+        model: The network; its trainable parameters get the posterior (all weights).
+        likelihood: ``"classification"`` or ``"regression"``, as for laplace-torch.
         backend: A backend class with ``eig_lowrank(train_loader, rank=, energy=, steps=,
             trace_probes=, tol=)`` (and ``diag`` for ``diagonal="ggn"``):
             :class:`lsn_ext.DiagBackprop`.
@@ -77,6 +76,15 @@ class LowRankGGNLaplace(baselaplace.LowRankLaplace):
         tol: Residual tolerance of the convergence warning, relative to ``λ_max``.
         diagonal: ``"ggn"`` (default: prior plus the GGN diagonal's remainder) or ``"prior"``
             (laplace-torch's prior-only diagonal).
+        sigma_noise: Observation noise ``σ`` of the regression likelihood (as laplace-torch).
+        prior_precision: Precision of the isotropic Gaussian prior (scalar or ``[P]``).
+        prior_mean: Mean of the prior (scalar or ``[P]``).
+        temperature: Posterior temperature ``T``; the GGN is divided by ``σ² T``.
+        enable_backprop: Keep the graph through the predictive (as laplace-torch).
+        dict_key_x: Key of the inputs in dictionary batches.
+        dict_key_y: Key of the targets in dictionary batches.
+        backend_kwargs: Keyword arguments of the backend, e.g. ``{"loss": "bce"}``.
+        asdl_fisher_kwargs: Passed to laplace-torch (unused by :class:`~lsn_ext.DiagBackprop`).
 
     Attributes:
         H: ``(U [P, k], λ [k])`` after ``fit`` (laplace-torch's layout).
@@ -160,6 +168,13 @@ class LowRankGGNLaplace(baselaplace.LowRankLaplace):
         As laplace-torch's ``fit``: puts the model in eval mode, sets ``mean``, ``n_outputs``
         (``model.output_size``), ``loss`` and ``n_data = len(train_loader.dataset)``.
 
+        Args:
+            train_loader: A ``DataLoader`` (with a ``dataset``) of ``(x, y)`` or dictionary
+                batches.
+            override: Must be ``True``: a low-rank fit replaces the previous one.
+            progress_bar: Accepted for laplace-torch's signature and ignored (the Lanczos
+                iteration shows no bar).
+
         Raises:
             ValueError: For ``override=False`` (eigenpairs do not add up over fits), regression
                 targets whose dimensions differ from the outputs', or what the backend's
@@ -225,24 +240,49 @@ class LowRankGGNLaplace(baselaplace.LowRankLaplace):
 
     @property
     def posterior_variance(self) -> Tensor:
-        """``diag Σ`` ``[P]``."""
+        """The marginal posterior variances ``diag Σ``, ``[P]`` (exact for this precision)."""
         return self.precision.variance()
 
     def functional_variance(self, Js: Tensor) -> Tensor:
-        """``J Σ Jᵀ`` ``[N, C, C]`` for Jacobians ``[N, C, P]`` (laplace-torch's GLM predictive)."""
+        """``J Σ Jᵀ`` per input, for laplace-torch's GLM predictive.
+
+        Args:
+            Js: Jacobians of the outputs, ``[N, C, P]``.
+
+        Returns:
+            ``[N, C, C]``.
+        """
         return self.precision.functional_covariance(Js)
 
     def functional_covariance(self, Js: Tensor) -> Tensor:
-        """``J Σ Jᵀ`` over all ``N·C`` outputs ``[N·C, N·C]``."""
+        """``J Σ Jᵀ`` jointly over all ``N·C`` outputs (laplace-torch's joint predictive).
+
+        Args:
+            Js: Jacobians of the outputs, ``[N, C, P]``.
+
+        Returns:
+            ``[N·C, N·C]``.
+        """
         n, c, p = Js.shape
         return self.precision.functional_covariance(Js.reshape(1, n * c, p))[0]
 
     def square_norm(self, value: Tensor) -> Tensor:
-        """``(θ − mean)ᵀ P (θ − mean)``."""
+        """``(θ − mean)ᵀ P (θ − mean)`` with the posterior precision ``P`` (exact).
+
+        Args:
+            value: ``θ``, ``[P]`` or ``[n, P]``.
+
+        Returns:
+            A scalar, or ``[n]``.
+        """
         return self.precision.square_norm(value - self.mean)
 
     def state_dict(self) -> dict[str, Any]:
-        """laplace-torch's state plus the diagonal remainder and the rank options."""
+        """laplace-torch's state plus the diagonal remainder and the rank options.
+
+        Returns:
+            The state, for ``torch.save`` and :meth:`load_state_dict`.
+        """
         state = super().state_dict()
         state["diagonal_remainder"] = self.diagonal_remainder
         state["lowrank_options"] = {
@@ -257,6 +297,9 @@ class LowRankGGNLaplace(baselaplace.LowRankLaplace):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by :meth:`state_dict`.
+
+        Args:
+            state_dict: The state, as :meth:`state_dict` returns it.
 
         Raises:
             ValueError: For another Laplace class (laplace-torch's check), or a state whose

@@ -74,32 +74,64 @@ class LowRankPlusDiagonal:
         return W, torch.linalg.cholesky(M)
 
     def factor(self) -> Tensor:
-        """``B`` ``[P, k]`` with ``Σ = diag(1/d) − B Bᵀ``."""
+        """``B`` ``[P, k]`` with ``Σ = diag(1/d) − B Bᵀ`` (Woodbury, exact).
+
+        Returns:
+            ``B``, ``[P, k]``.
+        """
         W, L = self._cholesky()
         WL = torch.linalg.solve_triangular(L, W.T, upper=False).T  # W L^{-T}
         return WL / self.diagonal.sqrt().unsqueeze(1)
 
     def log_det(self) -> Tensor:
-        """``log det P``, a scalar."""
+        """``log det P = Σ_i log d_i + log det(I + Wᵀ W)``, ``W = diag(d)^{-½} U diag(λ)^{½}``.
+
+        Exact (matrix-determinant lemma, a ``k × k`` Cholesky factor).
+
+        Returns:
+            The scalar ``log det P``.
+        """
         _, L = self._cholesky()
         return self.diagonal.log().sum() + 2 * L.diagonal().log().sum()
 
     def variance(self) -> Tensor:
-        """``diag Σ`` ``[P]``."""
+        """The marginal posterior variances ``diag Σ = 1/d − rowsum(B²)`` (exact).
+
+        Returns:
+            ``[P]``.
+        """
         return 1 / self.diagonal - self.factor().square().sum(1)
 
     def covariance(self) -> Tensor:
-        """The dense ``Σ`` ``[P, P]`` (small ``P`` only: ``P²`` numbers)."""
+        """The dense ``Σ`` ``[P, P]`` (small ``P`` only: ``P²`` numbers).
+
+        Returns:
+            ``Σ = P⁻¹``, ``[P, P]``.
+        """
         B = self.factor()
         return torch.diag(1 / self.diagonal) - B @ B.T
 
     def functional_covariance(self, Js: Tensor) -> Tensor:
-        """``J Σ Jᵀ`` per sample: ``Js`` ``[N, C, P]`` → ``[N, C, C]``."""
+        """``J Σ Jᵀ`` per sample, without forming ``Σ``.
+
+        Args:
+            Js: Jacobians of the outputs w.r.t. the parameters, ``[N, C, P]``.
+
+        Returns:
+            ``[N, C, C]``.
+        """
         JB = Js @ self.factor()
         return (Js / self.diagonal) @ Js.transpose(1, 2) - JB @ JB.transpose(1, 2)
 
     def square_norm(self, delta: Tensor) -> Tensor:
-        """``Δᵀ P Δ`` for ``Δ`` ``[P]`` (or ``[n, P]``: one per row)."""
+        """``Δᵀ P Δ = Σ_j λ_j (u_jᵀ Δ)² + Σ_i d_i Δ_i²``.
+
+        Args:
+            delta: ``Δ``, ``[P]`` or ``[n, P]`` (one value per row).
+
+        Returns:
+            A scalar, or ``[n]``.
+        """
         projected = delta @ self.U
         return (projected.square() * self.eigenvalues).sum(-1) + (
             delta.square() * self.diagonal

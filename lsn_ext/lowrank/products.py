@@ -178,7 +178,16 @@ class GGNOperator:
         )
 
     def matvec(self, v: Tensor) -> Tensor:
-        """``G v`` ``[P]`` for ``v`` ``[P]``; sets :attr:`loss_value`.
+        """The exact GGN-vector product ``G v = Σ_batches Jᵀ H J v``; sets :attr:`loss_value`.
+
+        One pass over the data: a forward-mode ``J v`` and a backward ``Jᵀ (H J v)`` per batch
+        (double backward where forward-mode AD is unsupported, with a ``RuntimeWarning``).
+
+        Args:
+            v: ``[P]``, in the order of :attr:`names`.
+
+        Returns:
+            ``G v``, ``[P]``.
 
         Raises:
             ValueError: For a ``v`` of another shape, or no batches.
