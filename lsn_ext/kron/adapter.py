@@ -34,7 +34,17 @@ Kron = laplace.utils.matrix.Kron
 def init_kron(
     model: nn.Module | Iterable[Tensor], device: torch.device, dtype: torch.dtype
 ) -> Kron:
-    """Zero ``Kron`` in the layout of :func:`~lsn_ext.kron.kron_curvature` (module docs)."""
+    """Zero ``Kron`` in the layout of :func:`~lsn_ext.kron.kron_curvature` (module docs).
+
+    Args:
+        model: The network, or its trainable parameters in ``model.parameters()`` order.
+        device: Device of the factors.
+        dtype: Dtype of the factors.
+
+    Returns:
+        laplace-torch's ``Kron``: ``[zeros(P, P)]`` per parameter of at most 1 dim,
+        ``[zeros(R, R), zeros(D, D)]`` (``R = p.shape[0]``, ``D = ∏ p.shape[1:]``) otherwise.
+    """
     params = model.parameters() if isinstance(model, nn.Module) else model
     kfacs = []
     for p in params:
