@@ -108,7 +108,17 @@ class KronResult:
     logits: Tensor
 
     def factors(self, name: str) -> list[Tensor]:
-        """The ``Kron`` entry of the parameter ``name``."""
+        """The ``Kron`` entry of the parameter ``name``.
+
+        Args:
+            name: The parameter's name, one of :attr:`names`.
+
+        Returns:
+            ``[F_0, F_1]`` for a parameter of ≥ 2 dims, ``[B]`` otherwise.
+
+        Raises:
+            ValueError: If ``name`` is not in :attr:`names`.
+        """
         return self.kron.kfacs[self.names.index(name)]
 
 
