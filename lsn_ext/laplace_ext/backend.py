@@ -471,6 +471,11 @@ class DiagBackprop(GGNInterface):
                 would mishandle (dense regression, cross-entropy on one channel), and in a
                 distributed fit for ranks that disagree on ``N`` or see more than ``N``
                 samples together (see :mod:`lsn_ext.distributed`).
+
+        Returns:
+            ``(loss, H)``: the summed loss (scalar) and the GGN diagonal ``[n_params]``
+            (approximate: diagonal backpropagation or Monte Carlo, by ``estimator``; the
+            subnetwork's entries for a subnetwork Laplace).
         """
         _refuse_options(set(kwargs) - {"N"})
         if self.last_layer:
@@ -545,6 +550,17 @@ class DiagBackprop(GGNInterface):
 
         One backward pass per sample (``torch.autograd.grad``: the parameters' ``.grad`` are
         left alone), subnetwork indices applied.
+
+        Args:
+            x: Inputs ``[B, *]``, or a dictionary batch (with a :class:`~lsn_ext.SelectInput`
+                model).
+            y: Targets as the loss expects.
+
+        Returns:
+            ``(Gs, loss)``: per-sample gradients ``[B, n_params]`` and the summed loss.
+
+        Raises:
+            ValueError: For NaN/inf inputs.
         """
         x = check_images(self._tensor_input(x), "x")
         rows, total = [], 0.0
@@ -567,7 +583,18 @@ class DiagBackprop(GGNInterface):
         return Gs, total
 
     def full(self, *args: Any, **kwargs: Any):
-        """The head's exact GGN for last-layer Laplace; not available over all weights."""
+        """The head's exact GGN for last-layer Laplace; not available over all weights.
+
+        Args:
+            *args: ``(x, y)`` as for :meth:`last_layer_curvature`.
+            **kwargs: ``N``, as for :meth:`last_layer_curvature`.
+
+        Returns:
+            ``(loss, H)`` with the head's dense GGN ``H`` (last layer only).
+
+        Raises:
+            NotImplementedError: Over all weights (no ``P × P`` GGN is formed).
+        """
         if self.last_layer:
             return self.last_layer_curvature(*args, structure="full", **kwargs)
         raise NotImplementedError(
@@ -592,6 +619,20 @@ class DiagBackprop(GGNInterface):
         form from the head's per-position features and the loss Hessian
         (:func:`~lsn_ext.laplace_ext.head_curvature.head_curvature`: no Monte Carlo, so the
         estimator options do not apply).
+
+        Args:
+            x: Inputs ``[B, *]``, or a dictionary batch (with a :class:`~lsn_ext.SelectInput`
+                model).
+            y: Targets as the loss expects.
+            structure: ``"full"`` (the head's exact GGN), ``"diag"`` (its diagonal) or
+                ``"kron"`` (its KFAC).
+            N: The data-set size (laplace-torch passes it; ``"kron"`` only; default: the
+                batch size).
+
+        Returns:
+            ``(loss, H)``: the summed loss and the head's curvature in laplace-torch's format
+            for ``structure`` (a ``[P_head, P_head]`` matrix, a ``[P_head]`` vector or a
+            ``Kron``).
 
         Raises:
             ValueError: In a data-parallel fit (not supported for the last layer), for NaN/inf
@@ -674,6 +715,17 @@ class DiagBackprop(GGNInterface):
         :class:`lsn_ext.kron.KronLaplaceND` (laplace-torch's ``KronLaplace`` refuses 5-D
         weights before the backend runs). With ``last_layer=True``: the head's KFAC.
 
+        Args:
+            x: Inputs ``[B, *]``, or a dictionary batch (with a :class:`~lsn_ext.SelectInput`
+                model).
+            y: Targets as the loss expects.
+            N: The data-set size (laplace-torch passes it).
+            **kwargs: Refused (laplace-torch's ``asdl_fisher_kwargs``).
+
+        Returns:
+            ``(loss, kron)``: the summed loss and laplace-torch's ``Kron`` (approximate:
+            Kronecker-factored).
+
         Raises:
             TypeError: For options other than ``N``.
             ValueError: In a data-parallel fit or a subnetwork Laplace (not supported for
@@ -707,6 +759,13 @@ class DiagBackprop(GGNInterface):
         laplace-torch's GLM predictive treats the last axis as the outputs, which mixes pixels
         and classes for ``[N, C, H, W]`` logits, and always applies a softmax, which is 1 for
         one BCE logit. Use :func:`lsn_ext.predict` for those.
+
+        Args:
+            x: Inputs ``[B, *]``, or a dictionary batch.
+            enable_backprop: Keep the graph (as laplace-torch).
+
+        Returns:
+            laplace-torch's ``(Js [B, K, P], f [B, K])``.
 
         Raises:
             ValueError: For a BCE loss or outputs that are not ``[N, K]``.
@@ -748,6 +807,13 @@ def link_of(la: Any) -> str:
     A laplace-torch ``Laplace``: from its likelihood and, for :class:`DiagBackprop`, its loss
     (``"identity"`` for regression and reward modelling, the loss's link for classification,
     ``"softmax"`` for laplace-torch's own backends). Any other posterior: its ``link``.
+
+    Args:
+        la: A laplace-torch ``Laplace`` or any posterior with a ``link`` attribute
+            (:class:`~lsn_ext.VariationalPosterior`).
+
+    Returns:
+        ``"softmax"``, ``"sigmoid"`` or ``"identity"``.
 
     Raises:
         ValueError: For a posterior whose ``link`` is not one of :data:`lsn_ext.links.LINKS`,

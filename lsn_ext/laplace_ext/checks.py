@@ -34,7 +34,15 @@ _NORMS_WITH_STATS = (nn.modules.batchnorm._BatchNorm, nn.modules.instancenorm._I
 
 
 def check_finite(name: str, t: Tensor) -> None:
-    """Raise a ``ValueError`` if a floating-point ``t`` holds NaN or infinite values."""
+    """Raise a ``ValueError`` if a floating-point ``t`` holds NaN or infinite values.
+
+    Args:
+        name: What ``t`` is, for the message (e.g. ``"the batch's targets"``).
+        t: Any tensor; integer tensors always pass.
+
+    Raises:
+        ValueError: If ``t`` holds NaN or infinite values, naming how many.
+    """
     if (t.is_floating_point() or t.is_complex()) and not torch.isfinite(t).all():
         bad = int((~torch.isfinite(t)).sum())
         raise ValueError(
@@ -45,6 +53,15 @@ def check_finite(name: str, t: Tensor) -> None:
 
 def dict_input(model: nn.Module, batch: Mapping[str, Any], key: str, who: str) -> Tensor:
     """The images ``batch[key]`` of a dictionary batch for a ``SelectInput(model, key)``.
+
+    Args:
+        model: The network the batch is for.
+        batch: A dictionary batch (MONAI's ``{"image": ..., "label": ...}``).
+        key: The key of the images (laplace-torch's ``dict_key_x``).
+        who: The caller, for the message.
+
+    Returns:
+        ``batch[key]``, e.g. ``[N, C, *spatial]``.
 
     Raises:
         ValueError: If the model is not a ``SelectInput`` (laplace-torch passes dictionaries
@@ -72,6 +89,13 @@ def dict_input(model: nn.Module, batch: Mapping[str, Any], key: str, who: str) -
 def check_images(x: Any, name: str = "x") -> Tensor:
     """``x`` if it is a finite tensor ``[N, …]`` with ``N ≥ 1``; otherwise a clear error.
 
+    Args:
+        x: The images.
+        name: What ``x`` is, for the message.
+
+    Returns:
+        ``x`` unchanged.
+
     Raises:
         TypeError: If ``x`` is not a tensor.
         ValueError: If ``x`` has no batch axis, an empty batch or NaN/inf values.
@@ -85,7 +109,16 @@ def check_images(x: Any, name: str = "x") -> Tensor:
 
 
 def check_eval_norms(model: nn.Module, what: str) -> None:
-    """Refuse normalisation layers with running statistics in training mode."""
+    """Refuse normalisation layers with running statistics in training mode.
+
+    Args:
+        model: The network.
+        what: The caller, for the message.
+
+    Raises:
+        ValueError: Naming the first batch or instance norm with ``track_running_stats`` that
+            is in training mode.
+    """
     for path, module in model.named_modules():
         if isinstance(module, _NORMS_WITH_STATS) and module.training and module.track_running_stats:
             raise ValueError(
@@ -97,7 +130,14 @@ def check_eval_norms(model: nn.Module, what: str) -> None:
 
 
 def check_trainable(model: nn.Module) -> None:
-    """Refuse a model without parameters, or with every parameter frozen, naming which."""
+    """Refuse a model without parameters, or with every parameter frozen, naming which.
+
+    Args:
+        model: The network.
+
+    Raises:
+        ValueError: For a model without parameters or without one with ``requires_grad``.
+    """
     tensors = list(model.parameters())
     if not tensors:
         raise ValueError(
@@ -121,6 +161,10 @@ def check_before_laplace_fit(model: nn.Module, train_loader: Any) -> None:
     for a frozen model, ``.view(-1)`` of a channels_last weight) and taken ``next(iter(
     train_loader))`` (``StopIteration`` for a loader without batches): ``DiagBackprop`` cannot
     intercept these. lsn_ext's own entry points that call ``fit`` check them first with this.
+
+    Args:
+        model: The network the posterior is over.
+        train_loader: The loader ``fit`` will iterate.
 
     Raises:
         ValueError: For a model without trainable parameters, a trainable parameter that is
@@ -153,6 +197,14 @@ def trainable_params(la: Any) -> list[tuple[str, Tensor]]:
 
     A laplace-torch posterior covers the parameters that had ``requires_grad=True`` when it was
     created (``la.params``); one frozen or unfrozen since is named.
+
+    Args:
+        la: A fitted posterior (laplace-torch ``Laplace`` or
+            :class:`~lsn_ext.VariationalPosterior`).
+
+    Returns:
+        ``(name, parameter)`` pairs in ``model.named_parameters()`` order, ``P`` entries
+        together.
 
     Raises:
         ValueError: A parameter whose ``requires_grad`` changed since the posterior was created,
@@ -195,6 +247,9 @@ def trainable_params(la: Any) -> list[tuple[str, Tensor]]:
 def check_fitted(la: Any) -> None:
     """Refuse anything but a posterior (``sample``, ``model``, ``n_params``), or an unfitted ``la``.
 
+    Args:
+        la: The object passed as a posterior.
+
     Raises:
         TypeError: For an object without the posterior's attributes.
         ValueError: For a laplace-torch ``Laplace`` that has not been fitted.
@@ -210,7 +265,14 @@ def check_fitted(la: Any) -> None:
 
 
 def check_n_samples(n_samples: Any) -> None:
-    """Refuse a number of samples that is not an int of at least 2 (``ValueError``)."""
+    """Refuse a number of samples that is not an int of at least 2.
+
+    Args:
+        n_samples: The number of posterior draws asked for.
+
+    Raises:
+        ValueError: For a non-int (``bool`` included) or a value below 2 (no variance).
+    """
     if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 2:
         raise ValueError(
             f"n_samples must be an int of at least 2 to estimate a variance, got {n_samples!r}"
@@ -218,6 +280,15 @@ def check_n_samples(n_samples: Any) -> None:
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Refuse an option ``name=value`` that is not one of ``choices`` (``ValueError``)."""
+    """Refuse an option ``name=value`` that is not one of ``choices``.
+
+    Args:
+        name: The option's name, for the message.
+        value: The value given.
+        choices: The accepted values.
+
+    Raises:
+        ValueError: If ``value`` is not in ``choices``, listing them.
+    """
     if value not in choices:
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")

@@ -32,6 +32,12 @@ def batch_digest(t: Tensor) -> Tensor:
     int64 and integer sums are exact, so the result does not depend on the reduction order: it
     is the same on every run and device, and only these two numbers need reach the host. (On
     the CPU, where the bytes are at hand, hashing them is cheaper: see ``_batch_generator``.)
+
+    Args:
+        t: Any tensor, on any device.
+
+    Returns:
+        int64 ``[2]`` on ``t``'s device, each entry in ``[0, 2³¹)``.
     """
     flat = t.detach().reshape(-1).contiguous()
     size = flat.element_size()

@@ -44,6 +44,11 @@ def register_laplace(subset_of_weights: str, hessian_structure: str, cls: type) 
     :class:`~lsn_ext.laplace_ext.last_layer.PerPixelPredictive`, and a ``_key`` of its own
     (laplace-torch's ``Laplace`` maps every subclass's ``_key`` to the class).
 
+    Args:
+        subset_of_weights: laplace-torch's ``subset_of_weights``, e.g. ``"last_layer"``.
+        hessian_structure: laplace-torch's ``hessian_structure``, e.g. ``"diag"``.
+        cls: The Laplace class to build for that pair (replaces an earlier registration).
+
     Raises:
         TypeError: If ``cls`` is not a class.
     """

@@ -376,6 +376,9 @@ class HeadFeatureExtractor(FeatureExtractor):
     def set_last_layer(self, last_layer_name: str) -> None:
         """Make the module ``last_layer_name`` the head (checked by :func:`check_head`).
 
+        Args:
+            last_layer_name: The head's name in ``model.named_modules()``.
+
         Raises:
             HeadError: For a name that is not a module of the network, or a module that cannot
                 be a head.
@@ -397,6 +400,12 @@ class HeadFeatureExtractor(FeatureExtractor):
     def find_last_layer(self, x: Any) -> Tensor:
         """Find the head with a forward pass (:func:`find_head`), validate it, return the logits.
 
+        Args:
+            x: A batch of inputs the network takes, e.g. ``[N, C, *spatial]``.
+
+        Returns:
+            The network's logits on ``x``, e.g. ``[N, K, *spatial]``.
+
         Raises:
             ValueError: If the head is already known.
             HeadError: If the network has no head a last-layer Laplace can use.
@@ -412,7 +421,18 @@ class HeadFeatureExtractor(FeatureExtractor):
         return batch.logits
 
     def forward(self, x: Any) -> Tensor:
-        """The network's output (finding the head on the first call); records its shape."""
+        """The network's output (finding the head on the first call); records its shape.
+
+        Args:
+            x: A batch of inputs the network takes.
+
+        Returns:
+            The network's output (the head's logits), e.g. ``[N, K, *spatial]``.
+
+        Raises:
+            HeadError: On the first call, if the network has no head a last-layer Laplace can
+                use.
+        """
         out = super().forward(x)
         if isinstance(out, Tensor):
             self.output_shape = tuple(out.shape[1:])

@@ -119,7 +119,22 @@ class PerPixelPredictive:
         diagonal_output: bool = False,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Logits at ``n_samples`` posterior draws, ``[S, N, C, *]`` (:func:`logit_draws`)."""
+        """Logits at ``n_samples`` posterior draws, ``[S, N, C, *]`` (:func:`logit_draws`).
+
+        Args:
+            x: Inputs ``[N, C_in, *]`` (or a dictionary batch, see :func:`lsn_ext.predict`).
+            pred_type: ``"glm"`` (linearised draws, default) or ``"nn"`` (the network at
+                weight draws).
+            n_samples: ``S``, the number of posterior draws.
+            diagonal_output: Accepted for laplace-torch's signature; not used.
+            generator: Random generator of the draws.
+
+        Returns:
+            ``[S, N, C, *]`` logits.
+
+        Raises:
+            ValueError: For an unknown ``pred_type``.
+        """
         self._check_predictive(pred_type, "mc", False, {})
         return torch.stack(
             list(logit_draws(self, x, n_samples, pred_type=pred_type, generator=generator))
@@ -137,6 +152,20 @@ class PerPixelPredictive:
 
         Softmax over the classes (dim 1 of each draw), sigmoid for a BCE backend, the logits
         for regression.
+
+        Args:
+            x: Inputs ``[N, C_in, *]`` (or a dictionary batch, see :func:`lsn_ext.predict`).
+            pred_type: ``"glm"`` (linearised draws, default) or ``"nn"`` (the network at
+                weight draws).
+            n_samples: ``S``, the number of posterior draws.
+            diagonal_output: Accepted for laplace-torch's signature; not used.
+            generator: Random generator of the draws.
+
+        Returns:
+            ``[S, N, C, *]`` probabilities (logits for regression).
+
+        Raises:
+            ValueError: For an unknown ``pred_type``.
         """
         link = link_of(self)
         samples = self.functional_samples(x, pred_type, n_samples, diagonal_output, generator)
@@ -167,6 +196,27 @@ class PerPixelPredictive:
         :func:`lsn_ext.gridsearch_prior_precision` with these arguments (laplace-torch's
         own grid search scores ``la(x)`` with a metric over the last axis); a custom ``loss``
         is refused there.
+
+        Args:
+            pred_type: ``"glm"`` or ``"nn"`` (grid search's predictive).
+            method: ``"marglik"`` (laplace-torch's) or ``"gridsearch"``.
+            n_steps: Optimiser steps of ``"marglik"``.
+            lr: Learning rate of ``"marglik"``.
+            init_prior_prec: Initial prior precision of ``"marglik"``.
+            prior_structure: ``"scalar"``, ``"layerwise"`` or ``"diag"``.
+            val_loader: Validation batches (``"gridsearch"`` only, required there).
+            loss: laplace-torch's grid-search metric; must be ``None`` for ``"gridsearch"``.
+            log_prior_prec_min: Lower end of the grid, ``log_base`` of the precision.
+            log_prior_prec_max: Upper end of the grid.
+            grid_size: Number of grid points.
+            link_approx: Predictive link approximation of the grid search.
+            n_samples: Posterior draws per grid point.
+            verbose: Print each grid point's score.
+            progress_bar: Show a progress bar over the grid.
+            log_prior_prec_base: Base of the grid's logarithm (10).
+
+        Raises:
+            ValueError: For ``"gridsearch"`` with a custom ``loss`` or without ``val_loader``.
         """
         if method != "gridsearch":
             super().optimize_prior_precision(
@@ -248,6 +298,13 @@ class DiagSegmentationLaplace(_AllWeights, _base.DiagLaplace):
 
     ``backend`` defaults to :class:`~lsn_ext.DiagBackprop`; everything else is
     ``DiagLaplace``'s.
+
+    Args:
+        model: The network (logits ``[N, C, *]``, classes on dim 1).
+        likelihood: ``"classification"`` or ``"regression"``, as for laplace-torch.
+        *args: laplace-torch's further positional arguments of ``DiagLaplace``.
+        **kwargs: laplace-torch's keyword arguments of ``DiagLaplace`` (``backend`` defaults to
+            :class:`~lsn_ext.DiagBackprop`).
     """
 
     # laplace.Laplace() maps the `_key` of every subclass to its class: a key of its own keeps
@@ -262,6 +319,13 @@ class KronSegmentationLaplace(_AllWeights, KronLaplaceND):
     laplace-torch's ``KronLaplace`` (through :class:`~lsn_ext.kron.KronLaplaceND`, so 3-D
     convolution weights work too); ``backend`` defaults to :class:`~lsn_ext.DiagBackprop`, whose
     ``backend_kwargs={"kron_mode": "reduce"}`` selects KFAC-reduce.
+
+    Args:
+        model: The network (logits ``[N, C, *]``, classes on dim 1).
+        likelihood: ``"classification"`` or ``"regression"``, as for laplace-torch.
+        *args: laplace-torch's further positional arguments of ``KronLaplace``.
+        **kwargs: laplace-torch's keyword arguments of ``KronLaplace`` (``backend`` defaults to
+            :class:`~lsn_ext.DiagBackprop`).
     """
 
     _key = ("all", "kron (lsn_ext, per-pixel predictive)")
@@ -274,6 +338,13 @@ class LowRankSegmentationLaplace(_AllWeights, LowRankGGNLaplace):
     ``backend`` defaults to :class:`~lsn_ext.DiagBackprop` (its ``eig_lowrank``: Lanczos on
     GGN-vector products over the whole loader); everything else is
     :class:`~lsn_ext.lowrank.LowRankGGNLaplace`'s.
+
+    Args:
+        model: The network (logits ``[N, C, *]``, classes on dim 1).
+        likelihood: ``"classification"`` or ``"regression"``, as for laplace-torch.
+        *args: Further positional arguments of ``LowRankGGNLaplace``.
+        **kwargs: Keyword arguments of ``LowRankGGNLaplace`` (``backend`` defaults to
+            :class:`~lsn_ext.DiagBackprop`; ``rank``, ``energy``, ``diagonal``, …).
     """
 
     _key = ("all", "lowrank (lsn_ext, per-pixel predictive)")
@@ -354,6 +425,13 @@ class FullLastLayerLaplace(_LastLayer, _ll.FullLLLaplace):
 
     Takes ``FullLLLaplace``'s arguments; ``backend`` defaults to :class:`~lsn_ext.DiagBackprop`,
     whose ``full`` is the head's exact GGN. ``feature_reduction`` must be ``None``.
+
+    Args:
+        model: The network (logits ``[N, C, *]``, classes on dim 1).
+        likelihood: ``"classification"`` or ``"regression"``, as for laplace-torch.
+        *args: laplace-torch's further positional arguments of ``FullLLLaplace``.
+        **kwargs: laplace-torch's keyword arguments of ``FullLLLaplace`` (``backend`` defaults to
+            :class:`~lsn_ext.DiagBackprop`).
     """
 
     _key = ("last_layer", "full (lsn_ext, convolution heads)")
@@ -366,6 +444,13 @@ class KronLastLayerLaplace(_LastLayer, _ll.KronLLLaplace):
     KFAC-expand of the head's GGN in closed form (:mod:`lsn_ext.laplace_ext.head_curvature`);
     3-D convolution weights (5-D) are factored as ``[C, C_in·∏k]``
     (:func:`lsn_ext.kron.init_kron`). ``damping`` as in laplace-torch.
+
+    Args:
+        model: The network (logits ``[N, C, *]``, classes on dim 1).
+        likelihood: ``"classification"`` or ``"regression"``, as for laplace-torch.
+        *args: laplace-torch's further positional arguments of ``KronLLLaplace``.
+        **kwargs: laplace-torch's keyword arguments of ``KronLLLaplace`` (``backend`` defaults to
+            :class:`~lsn_ext.DiagBackprop`).
     """
 
     _key = ("last_layer", "kron (lsn_ext, convolution heads)")
@@ -378,7 +463,14 @@ class KronLastLayerLaplace(_LastLayer, _ll.KronLLLaplace):
 class DiagLastLayerLaplace(_LastLayer, _ll.DiagLLLaplace):
     """laplace-torch's ``DiagLLLaplace`` for convolution and token heads (module docs).
 
-    The curvature is the diagonal of the head's exact GGN.
+    The curvature is the diagonal of the head's exact GGN (exact, not an estimate).
+
+    Args:
+        model: The network (logits ``[N, C, *]``, classes on dim 1).
+        likelihood: ``"classification"`` or ``"regression"``, as for laplace-torch.
+        *args: laplace-torch's further positional arguments of ``DiagLLLaplace``.
+        **kwargs: laplace-torch's keyword arguments of ``DiagLLLaplace`` (``backend`` defaults to
+            :class:`~lsn_ext.DiagBackprop`).
     """
 
     _key = ("last_layer", "diag (lsn_ext, convolution heads)")
