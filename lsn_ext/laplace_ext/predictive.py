@@ -181,7 +181,23 @@ def glm_logits(
     """``f(x; θ*)`` and the products ``J δ_s`` of ``⌈n/2⌉`` posterior draws ``θ* + δ_s``.
 
     The draws are ``la.sample`` in chunks; the antithetic partner ``θ* − δ_s`` of each is left to
-    the caller (see :mod:`lsn_ext.glm`).
+    the caller (see :mod:`lsn_ext.glm`). ``f(x; θ*) ± J δ_s`` are exact draws of the linearised
+    (GLM) predictive; ``J δ_s`` is one forward-mode product per draw, without forming ``J``.
+
+    Args:
+        la: A fitted posterior with ``sample`` and ``mean`` (laplace-torch ``Laplace`` or
+            :class:`~lsn_ext.VariationalPosterior`).
+        model: The network (unwrapped from any data-parallel wrapper).
+        named: Its trainable ``(name, parameter)`` pairs, the posterior's layout
+            (:func:`~lsn_ext.laplace_ext.checks.trainable_params`).
+        x: Inputs ``[N, C_in, *]``.
+        n: Number of predictive draws ``n``; ``⌈n/2⌉`` products are made.
+        generator: Random generator of ``la.sample``.
+        window: Sliding-window inference of the network (``None``: ``x`` whole).
+
+    Returns:
+        ``(f(x; θ*), tangents)``: the logits at the mean ``[N, C, *]`` and a lazy iterator over
+        the ``⌈n/2⌉`` products ``J δ_s``, each ``[N, C, *]``.
     """
     mean = _posterior_mean(la, named)
     pairs = (n + 1) // 2
@@ -427,6 +443,18 @@ def logit_draws(
     What :func:`predict` averages: ``"nn"``, the network at each draw; ``"glm"``, its
     linearisation at antithetic pairs ``f(x; θ*) ± J δ_s``; for a last-layer posterior the
     head at each draw (both: the logits are linear in the head). Checks the arguments at once.
+
+    Args:
+        la: A fitted posterior (laplace-torch ``Laplace`` or
+            :class:`~lsn_ext.VariationalPosterior`).
+        x: Inputs ``[N, C_in, *]`` (or a dictionary batch, see :func:`predict`).
+        n_samples: Number of draws.
+        pred_type: ``"nn"`` (default) or ``"glm"``.
+        generator: Random generator of the draws.
+
+    Returns:
+        A lazy iterator over the ``n_samples`` logit maps ``[N, C, *]``, one per draw (one map
+        in memory at a time); the arguments are checked before it is returned.
 
     Raises:
         ValueError: As :func:`predict`, for an unfitted posterior, bad options or inputs.
