@@ -188,7 +188,14 @@ class MeanNetwork(nn.Module):
         self.mean_head = ssn.mean_head
 
     def forward(self, x: Tensor) -> Tensor:
-        """``μ(x)``, ``[N, K, H, W]``."""
+        """The SSN's logit mean ``μ(x)``.
+
+        Args:
+            x: Images ``[N, C_in, H, W]``.
+
+        Returns:
+            ``μ(x)``, ``[N, K, H, W]``.
+        """
         return self.mean_head(self.backbone(x))
 
 
@@ -364,8 +371,12 @@ def mc_dropout_predict(model: nn.Module, x: Tensor, n_samples: int = 50) -> Segm
     Args:
         model: A network with ``nn.Dropout*`` modules, logits ``[N, K, H, W]`` (``K = 1``:
             sigmoid).
-        x: Images.
+        x: Images ``[N, C_in, H, W]``.
         n_samples: Forward passes (the LSN paper: 50).
+
+    Returns:
+        The :class:`~lsn_ext.SegmentationPrediction` of the ``n_samples`` passes: mean and
+        variance ``[N, K, H, W]``, entropy and mutual information ``[N, H, W]``.
 
     Raises:
         ValueError: If the model has no dropout module, ``x`` is empty or not finite, or
@@ -391,6 +402,15 @@ def ensemble_predict(models: Iterable[nn.Module], x: Tensor) -> SegmentationPred
 
     A single member is refused, not answered with zero variance: the epistemic maps of an
     ensemble are the spread between its members, which one network does not have.
+
+    Args:
+        models: The members (at least two), each mapping ``x`` to logits ``[N, K, H, W]``
+            (``K = 1``: sigmoid).
+        x: Images ``[N, C_in, H, W]``.
+
+    Returns:
+        The :class:`~lsn_ext.SegmentationPrediction` over the members (mean, variance,
+        entropy and mutual information maps).
 
     Raises:
         TypeError: If a member is not an ``nn.Module``.
@@ -427,6 +447,15 @@ def aleatoric_maps(
     ``η^(m) ~ N(μ(x), diag(d(x)) + P(x) P(x)ᵀ)``, ``m = 1…M``; returns ``E σ(η)`` and
     ``Var σ(η)`` per pixel (softmax over the classes for ``K ≥ 2``), each ``[N, K, H, W]``.
     The SSN is evaluated in eval mode (dropout off); its mode is restored.
+
+    Args:
+        ssn: The trained SSN.
+        x: Images ``[N, C_in, H, W]``.
+        n_samples: ``M``, the logit samples (the LSN paper: 20).
+        generator: Random generator of the samples (on the SSN's device).
+
+    Returns:
+        ``(mean, variance)`` of the probabilities, each ``[N, K, H, W]``.
 
     Raises:
         TypeError: If ``ssn`` is not an SSN.
