@@ -124,13 +124,20 @@ class Cat(SumModule):
     def forward(self, *inputs: Tensor) -> Tensor:
         """Concatenate ``inputs`` (``[N, C_i, *]`` for ``dim=1``) along :attr:`dim`.
 
+        Args:
+            *inputs: The tensors, equal in every dimension but :attr:`dim`.
+
         Returns:
             ``[N, Σ C_i, *]`` for ``dim=1``.
         """
         return torch.cat(inputs, dim=self.dim)
 
     def extra_repr(self) -> str:
-        """``dim=...`` in ``repr``."""
+        """``dim=...`` in ``repr``.
+
+        Returns:
+            ``"dim=…"``.
+        """
         return f"dim={self.dim}"
 
 
@@ -348,13 +355,23 @@ class DiagBackpropExtension(BackpropExtension):
         super().__init__(savefield=SAVEFIELD, module_exts=mapping)
 
     def expects_backpropagation_quantities(self) -> bool:
-        """DB backpropagates ``m`` (second-order extensions do)."""
+        """DB backpropagates ``m`` (second-order extensions do).
+
+        Returns:
+            ``True``.
+        """
         return True
 
     def set_module_extension(
         self, module: type[nn.Module], extension: ModuleExtension, overwrite: bool = False
     ) -> None:
-        """Add or replace the module extension of a class (BackPACK's extension point)."""
+        """Add or replace the module extension of a class (BackPACK's extension point).
+
+        Args:
+            module: The module class (exact match).
+            extension: BackPACK's ``ModuleExtension`` for it.
+            overwrite: Replace an existing extension instead of raising (BackPACK's check).
+        """
         super().set_module_extension(module, extension, overwrite)
         self._classes.add(module)
 
@@ -365,6 +382,11 @@ class DiagBackpropExtension(BackpropExtension):
         g_out: tuple[Tensor | None, ...],
     ) -> None:
         """Run the module extension of ``module`` (BackPACK calls this in its backward hook).
+
+        Args:
+            module: The module whose backward hook fired.
+            g_inp: Gradients w.r.t. the module's inputs (BackPACK's hook argument).
+            g_out: Gradients w.r.t. the module's outputs.
 
         Raises:
             NotImplementedError: If ``type(module)`` has neither a rule nor an extension.
@@ -392,7 +414,21 @@ class DiagBackpropExtension(BackpropExtension):
         )
 
     def accumulate_backpropagated_quantities(self, existing: Any, other: Any) -> Any:
-        """Sum the ``m`` of a tensor used more than once (fan-out; LSN paper Eq. 27)."""
+        """Sum the ``m`` of a tensor used more than once (fan-out; LSN paper Eq. 27).
+
+        Args:
+            existing: The ``m`` saved so far (a tensor, or the cross-entropy's first step).
+            other: The ``m`` of another use, of the same kind and shape.
+
+        Returns:
+            ``existing + other``.
+
+        Raises:
+            ValueError: If the exact cross-entropy first step meets another quantity (the
+                logits are used elsewhere).
+            NotImplementedError: For quantities of different shapes on one storage (a reshaping
+                view of a tensor used elsewhere).
+        """
         if isinstance(existing, _FirstStep) and isinstance(other, _FirstStep):
             return _FirstStep(existing.diag + other.diag, existing.block + other.block)
         if isinstance(existing, _FirstStep) or isinstance(other, _FirstStep):
@@ -415,6 +451,12 @@ class DiagBackpropExtension(BackpropExtension):
     def take(self, module: nn.Module) -> Tensor | _FirstStep:
         """Remove and return the ``m`` saved for ``module.output``.
 
+        Args:
+            module: The module whose output's ``m`` is asked for.
+
+        Returns:
+            ``m``, shaped like ``module.output`` (or the cross-entropy's first step).
+
         Raises:
             NotImplementedError: If none arrived, or one of another shape: an operation
                 between the module and the loss is invisible to BackPACK.
@@ -433,7 +475,12 @@ class DiagBackpropExtension(BackpropExtension):
         return m
 
     def give(self, tensor: Tensor, m: Tensor | _FirstStep) -> None:
-        """Save ``m`` for ``tensor`` (summed with what other uses of it saved)."""
+        """Save ``m`` for ``tensor`` (summed with what other uses of it saved).
+
+        Args:
+            tensor: A module input (identified by its storage, as BackPACK does).
+            m: Its DB diagonal, shaped like ``tensor`` (or the cross-entropy's first step).
+        """
         self.saved_quantities.save_quantity(
             tensor.data_ptr(), m, self.accumulate_backpropagated_quantities
         )
