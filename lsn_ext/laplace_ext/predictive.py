@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import tqdm
 from torch import Tensor, nn
 
 from lsn_ext import distributed as _dist
@@ -238,6 +239,61 @@ def _bridge_maps(link: str, f_mean: Tensor, f_second: Tensor) -> tuple[Tensor, T
     return tuple(t.to(f_mean.dtype) for t in (probs, probs_var, expected_entropy))
 
 
+class _Progress:
+    """The tqdm bars (on stderr) of ``predict(..., progress_bar=True)``; a context manager.
+
+    One bar over the posterior draws (over the antithetic pairs for the GLM predictive) and, with
+    a window, one over the window batches of the current sliding-window pass: :attr:`window`
+    counts the network calls of ``window`` (one per batch of windows; their number per pass is
+    known after the first pass). Disabled, the bars write nothing and :attr:`window` is
+    ``window``; either way the draws and the logits are the same.
+    """
+
+    def __init__(self, enabled: bool, pred_type: str, n_samples: int, window: Any) -> None:
+        glm = pred_type == "glm"
+        self._draws = tqdm.tqdm(
+            total=(n_samples + 1) // 2 if glm else n_samples,
+            desc="predict: antithetic pairs" if glm else "predict: posterior draws",
+            unit="pair" if glm else "draw",
+            disable=not enabled,
+        )
+        self._windows = tqdm.tqdm(
+            desc="windows", unit="batch", leave=False, disable=not enabled or window is None
+        )
+        self._per_pass: int | None = None
+        self.window = window if self._windows.disable else self._counted(window)
+
+    def _counted(self, window: Any) -> Any:
+        def counted_window(network: Any, x: Tensor) -> Tensor:
+            calls = 0
+
+            def counted(*args: Any, **kwargs: Any) -> Tensor:
+                nonlocal calls
+                calls += 1
+                self._windows.update()
+                return network(*args, **kwargs)
+
+            self._windows.reset(total=self._per_pass)
+            out = window(counted, x)
+            self._per_pass = calls
+            return out
+
+        return counted_window
+
+    def draws(self, iterable: Iterator[Tensor]) -> Iterator[Tensor]:
+        """``iterable``, advancing the bar once per item consumed."""
+        for item in iterable:
+            yield item
+            self._draws.update()
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._windows.close()
+        self._draws.close()
+
+
 class NonFinitePredictiveError(ValueError):
     """:func:`predict` gave non-finite maps (a posterior too wide for the dtype)."""
 
@@ -270,6 +326,7 @@ def predict(
     link_approx: Literal["mc", "probit", "bridge"] = "mc",
     generator: torch.Generator | None = None,
     window: SlidingWindow | Sequence[int] | None = None,
+    progress_bar: bool = False,
 ) -> SegmentationPrediction:
     r"""Per-pixel predictive of a fitted Laplace approximation (or any Gaussian posterior).
 
@@ -331,6 +388,9 @@ def predict(
             forward pass allows); the maps are those of the blended logits of each draw, see
             :mod:`lsn_ext.sliding`. A tuple of ints is the window size with the default
             settings (``window=(96, 96, 96)``). ``None``: the network runs on ``x`` whole.
+        progress_bar: Show tqdm bars on stderr: one over the posterior draws (``"glm"``: over
+            the antithetic pairs), and with ``window`` one over the window batches of the
+            current pass. The maps are the same with and without.
 
     Returns:
         The predictive maps (:class:`SegmentationPrediction`), with ``logit_mean`` and
@@ -369,31 +429,34 @@ def predict(
     check_eval_norms(model, "predict")
     full = link_approx == "bridge" and link == "softmax"
     stats = _SampleMaps(link, full)
-    if pred_type == "nn":
-        if last_layer:
-            draws = head_logit_draws(la, x, n_samples, generator)[1]
+    with _Progress(progress_bar, pred_type, n_samples, window) as progress:
+        if pred_type == "nn":
+            if last_layer:
+                draws = head_logit_draws(la, x, n_samples, generator)[1]
+            else:
+                draws = _nn_logits(la, model, named, x, n_samples, generator, progress.window)
+            for f in progress.draws(draws):
+                stats.add(_check_logits(f, link), logits=True)
+            f_mean, f_second = stats.logits.mean, stats.logits.variance
         else:
-            draws = _nn_logits(la, model, named, x, n_samples, generator, window)
-        for f in draws:
-            stats.add(_check_logits(f, link), logits=True)
-        f_mean, f_second = stats.logits.mean, stats.logits.variance
-    else:
-        if last_layer:  # the logits are linear in the head: θ* ± δ are exact GLM draws
-            f_mean, draws = head_logit_draws(la, x, (n_samples + 1) // 2, generator)
-            tangents = (f - f_mean for f in draws)
-        else:
-            f_mean, tangents = glm_logits(la, model, named, x, n_samples, generator, window)
-        _check_logits(f_mean, link)
-        f_second, products = torch.zeros_like(_outer(f_mean) if full else f_mean), 0
-        for t in tangents:
-            products += 1
-            f_second += _outer(t) if full else t * t
-            stats.add(f_mean + t, logits=False)
-            if stats.probs.count < n_samples:
-                stats.add(f_mean - t, logits=False)
-        f_second /= products
-        if last_layer:  # exact per-pixel (co)variance instead of its estimate
-            f_second = head_logit_moments(la, x, covariance=full)[1]
+            if last_layer:  # the logits are linear in the head: θ* ± δ are exact GLM draws
+                f_mean, draws = head_logit_draws(la, x, (n_samples + 1) // 2, generator)
+                tangents = (f - f_mean for f in draws)
+            else:
+                f_mean, tangents = glm_logits(
+                    la, model, named, x, n_samples, generator, progress.window
+                )
+            _check_logits(f_mean, link)
+            f_second, products = torch.zeros_like(_outer(f_mean) if full else f_mean), 0
+            for t in progress.draws(tangents):
+                products += 1
+                f_second += _outer(t) if full else t * t
+                stats.add(f_mean + t, logits=False)
+                if stats.probs.count < n_samples:
+                    stats.add(f_mean - t, logits=False)
+            f_second /= products
+            if last_layer:  # exact per-pixel (co)variance instead of its estimate
+                f_second = head_logit_moments(la, x, covariance=full)[1]
     f_var = f_second.diagonal(dim1=1, dim2=2).movedim(-1, 1) if full else f_second
     mean, variance = stats.probs.mean, stats.probs.variance
     if link == "identity":
