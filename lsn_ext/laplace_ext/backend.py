@@ -113,17 +113,16 @@ class DiagBackprop(GGNInterface):
     summed over the data, the regression loss ``½ Σ (f − y)²`` (Hessian 1, scaled by
     laplace-torch with ``1/σ²``).
 
-    Reproducibility: by default (``seed=0``) the Monte-Carlo vectors of a batch are a
-    deterministic function of ``(seed, the batch's inputs and targets)``: a hash of their bytes
-    (on the CPU) or of a fingerprint of them computed on their device (on an accelerator: no
-    copy of the batch to the host, four integers come back) seeds a fresh generator per batch on
-    the batch's device. CPU and CUDA generators differ, so the vectors (not their distribution)
-    depend on the device too. A refit on the same data gives the same ``H`` (on CUDA up to the
-    rounding of its non-deterministic sums, unless ``torch.use_deterministic_algorithms(True)``),
-    three online fits ``fit(loader, override=False)`` give three times the ``H`` of one, and the
-    result does not depend on torch's global random state; different batches (and different
-    seeds) still get different vectors. ``seed=None`` draws from torch's global generator
-    instead (a refit then differs).
+    Reproducibility: by default (``seed=0``) the Monte-Carlo vectors of a batch are a deterministic
+    function of ``(seed, the batch's inputs and targets)``: a hash of their bytes (on the CPU) or of
+    a fingerprint of them computed on their device (on an accelerator: no copy of the batch to the
+    host, four integers come back) seeds a fresh generator per batch on the batch's device. CPU and
+    CUDA generators differ, so the vectors (not their distribution) depend on the device too. A
+    refit on the same data gives the same ``H`` (on CUDA up to the rounding of its non-deterministic
+    sums, unless ``torch.use_deterministic_algorithms(True)``), three online fits ``fit(loader,
+    override=False)`` give three times the ``H`` of one, and the result does not depend on torch's
+    global random state; different batches (and different seeds) still get different vectors.
+    ``seed=None`` draws from torch's global generator instead (a refit then differs).
 
     Data-parallel fits (``torchrun``, see :mod:`lsn_ext.distributed`): when ``torch.distributed``
     is initialised with more than one rank, ``diag`` all-reduces (sums) each batch's curvature
@@ -134,34 +133,22 @@ class DiagBackprop(GGNInterface):
     ranks never share vectors, even for identical batches. A DDP-wrapped model is unwrapped (the
     curvature runs on ``model.module``).
 
-    **What laplace-torch's ``fit`` does to the model** (its own code, before and around this
-    backend, which cannot undo it): ``la.fit`` calls ``model.eval()`` and leaves the model in eval
-    mode (batch norm included), calls ``model.zero_grad()`` before every batch (``.grad`` is
-    ``None`` afterwards) and sets ``model.output_size``. laplace-torch creates the backend lazily,
-    on the first batch, after ``model.eval()``, so the backend never sees the modes or gradients
-    as they were. Keep what you need before the call::
+    **What laplace-torch's ``fit`` does to the model** (its own code, before this backend
+    exists, so it cannot undo it): ``la.fit`` leaves the model in eval mode (``model.eval()``,
+    batch norm included), with ``.grad`` ``None`` (``model.zero_grad()`` before every batch) and
+    ``model.output_size`` set: save ``model.training`` (or each module's) before the call and
+    restore it after. ``la(x, pred_type="nn")`` leaves the parameters' data as views into
+    ``la.mean`` (``vector_to_parameters``), so training the model afterwards changes the posterior
+    mean; detach them with ``torch.nn.utils.vector_to_parameters(la.mean.clone(), la.params)``.
+    lsn_ext's own entry points (:func:`predict`, :func:`gridsearch_prior_precision`,
+    :func:`lsn_ext.lsn.fit_lsn`, ...) leave the model as they found it. The docs' laplace-torch
+    guide shows the save-and-restore code.
 
-        was_training = model.training
-        la.fit(train_loader)
-        model.train(was_training)
-
-    (per-module modes: save ``{m: m.training for m in model.modules()}`` and restore each).
-    ``la(x, pred_type="nn")`` loads every posterior sample into the model and finally
-    ``la.mean`` with ``vector_to_parameters``, which leaves the parameters' data as views into
-    ``la.mean``: training the model afterwards changes the posterior mean too. Detach them with
-    ``torch.nn.utils.vector_to_parameters(la.mean.clone(), la.params)``. lsn_ext's own entry
-    points (:func:`predict`, :func:`gridsearch_prior_precision`, :func:`lsn_ext.lsn.fit_lsn`,
-    ...) leave the model as they found it.
-
-    Errors laplace-torch raises before the backend exists (so not this backend's messages): a
-    model whose parameters are all frozen (``torch.cat(): expected a non-empty list of
-    Tensors``) or that has none (``StopIteration``), a loader without batches
-    (``StopIteration``), a channels_last model (``view size is not compatible``; fit with
-    ``model.to(memory_format=torch.contiguous_format)``), ``subset_of_weights="last_layer"`` on
-    a network without a final ``nn.Linear`` (``Use model with a linear last layer.``; use
-    :func:`lsn_ext.Laplace`, whose last-layer classes take convolution heads) and
-    ``hessian_structure="lowrank"`` (``ImportError`` asking for asdfghjkl; the low-rank posterior
-    with this backend is :class:`lsn_ext.lowrank.LowRankGGNLaplace`). See the README.
+    Errors laplace-torch raises before the backend exists (not this backend's messages), for a
+    frozen or parameterless model, a loader without batches, a channels_last model,
+    ``subset_of_weights="last_layer"`` without a final ``nn.Linear`` (use :func:`lsn_ext.Laplace`)
+    and ``hessian_structure="lowrank"`` (use :class:`lsn_ext.lowrank.LowRankGGNLaplace`), are listed
+    with their remedies in the docs' laplace-torch guide.
 
     Args:
         model: The network; any ``nn.Module`` the native engine supports, run on tensor inputs.
@@ -190,12 +177,11 @@ class DiagBackprop(GGNInterface):
             :class:`~lsn_ext.Loss`. Pass it as ``backend_kwargs={"loss": ...}``.
         ce_first_step: ``"exact"`` (default) or ``"diag"``, see :func:`lsn_ext.diag_backprop`.
         estimator: How each batch's GGN diagonal is estimated (:func:`lsn_ext.ggn_diagonal`):
-            ``"mc"`` (default: unbiased Monte Carlo, about 2× a training step; its noise
-            averages out over the batches of a fit), ``"db"`` (diagonal backprop, the LSN
-            paper's method: deterministic, one backward pass, but 10–10⁶× too small below the
-            last layers of trained networks, which breaks marginal-likelihood prior tuning) or
-            ``"db_calibrated"`` (DB rescaled per parameter tensor to Monte-Carlo traces, per
-            batch).
+            ``"mc"`` (default: unbiased Monte Carlo, about 2× a training step; its noise averages
+            out over the batches of a fit), ``"db"`` (diagonal backprop, the LSN paper's method:
+            deterministic, one backward pass, but 10–10⁶× too small below the last layers of trained
+            networks, which breaks marginal-likelihood prior tuning) or ``"db_calibrated"`` (DB
+            rescaled per parameter tensor to Monte-Carlo traces, per batch).
         mc_samples: Monte-Carlo vectors per sample for ``"mc"`` and ``"db_calibrated"``
             (default 1; ``"db"`` draws none).
         shrinkage: Weight of the Monte-Carlo estimate in ``"db_calibrated"``, in ``[0, 1]``.
@@ -215,12 +201,11 @@ class DiagBackprop(GGNInterface):
             both against the exact GGN blocks.
 
     Raises:
-        ValueError: For a model without parameters or with all of them
-            frozen (message says which), a loss that does not match the likelihood, a
-            loss with ``reduction="mean"``, an unknown estimator, bad estimator options or
-            contradictory ``stochastic``/``num_samples``/``estimator``/``mc_samples``.
-        TypeError: For a ``seed`` that is not an int or ``None``, or a non-bool
-            ``distributed``.
+        ValueError: For a model without parameters or with all of them frozen (message says
+            which), a loss that does not match the likelihood, a loss with ``reduction="mean"``,
+            an unknown estimator, bad estimator options or contradictory
+            ``stochastic``/``num_samples``/``estimator``/``mc_samples``.
+        TypeError: For a ``seed`` that is not an int or ``None``, or a non-bool ``distributed``.
 
     For the misuses laplace-torch's own backends also meet (an unknown likelihood, unknown
     options, dictionary batches without ``dict_key_x``/``dict_key_y``, non-tensor inputs, targets
@@ -467,15 +452,13 @@ class DiagBackprop(GGNInterface):
             TypeError: For options other than ``N`` (laplace-torch's ``asdl_fisher_kwargs``,
                 which this backend does not use).
             ValueError: For a dictionary batch whose model is not a ``SelectInput`` with the key
-                ``dict_key_x``, NaN/inf inputs or targets, an empty batch, and outputs laplace-torch
+                ``dict_key_x``, NaN/inf inputs or targets, an empty batch, outputs laplace-torch
                 would mishandle (dense regression, cross-entropy on one channel), and in a
-                distributed fit for ranks that disagree on ``N`` or see more than ``N``
-                samples together (see :mod:`lsn_ext.distributed`).
+                distributed fit for ranks that disagree on ``N`` or see more than ``N`` samples
+                together (:mod:`lsn_ext.distributed`).
 
         Returns:
-            ``(loss, H)``: the summed loss (scalar) and the GGN diagonal ``[n_params]``
-            (approximate: diagonal backpropagation or Monte Carlo, by ``estimator``; the
-            subnetwork's entries for a subnetwork Laplace).
+            ``(loss, H)``: the summed loss and the GGN diagonal's estimate ``[n_params]``.
         """
         _refuse_options(set(kwargs) - {"N"})
         if self.last_layer:
@@ -552,12 +535,11 @@ class DiagBackprop(GGNInterface):
         left alone), subnetwork indices applied.
 
         Args:
-            x: Inputs ``[B, *]``, or a dictionary batch (with a :class:`~lsn_ext.SelectInput`
-                model).
+            x: Inputs ``[B, *]`` or a dictionary batch.
             y: Targets as the loss expects.
 
         Returns:
-            ``(Gs, loss)``: per-sample gradients ``[B, n_params]`` and the summed loss.
+            ``(Gs [B, n_params], loss)``.
 
         Raises:
             ValueError: For NaN/inf inputs.
@@ -587,10 +569,10 @@ class DiagBackprop(GGNInterface):
 
         Args:
             *args: ``(x, y)`` as for :meth:`last_layer_curvature`.
-            **kwargs: ``N``, as for :meth:`last_layer_curvature`.
+            **kwargs: ``N`` as for :meth:`last_layer_curvature`.
 
         Returns:
-            ``(loss, H)`` with the head's dense GGN ``H`` (last layer only).
+            ``(loss, H)``, ``H`` the head's dense GGN.
 
         Raises:
             NotImplementedError: Over all weights (no ``P × P`` GGN is formed).
@@ -621,18 +603,13 @@ class DiagBackprop(GGNInterface):
         estimator options do not apply).
 
         Args:
-            x: Inputs ``[B, *]``, or a dictionary batch (with a :class:`~lsn_ext.SelectInput`
-                model).
+            x: Inputs ``[B, *]`` or a dictionary batch.
             y: Targets as the loss expects.
-            structure: ``"full"`` (the head's exact GGN), ``"diag"`` (its diagonal) or
-                ``"kron"`` (its KFAC).
-            N: The data-set size (laplace-torch passes it; ``"kron"`` only; default: the
-                batch size).
+            structure: ``"full"`` (``H [P, P]``), ``"diag"`` (``[P]``) or ``"kron"`` (``Kron``).
+            N: The data-set size (``"kron"`` only; default: the batch size).
 
         Returns:
-            ``(loss, H)``: the summed loss and the head's curvature in laplace-torch's format
-            for ``structure`` (a ``[P_head, P_head]`` matrix, a ``[P_head]`` vector or a
-            ``Kron``).
+            ``(loss, H)`` for the head's ``P`` parameters.
 
         Raises:
             ValueError: In a data-parallel fit (not supported for the last layer), for NaN/inf
@@ -716,15 +693,13 @@ class DiagBackprop(GGNInterface):
         weights before the backend runs). With ``last_layer=True``: the head's KFAC.
 
         Args:
-            x: Inputs ``[B, *]``, or a dictionary batch (with a :class:`~lsn_ext.SelectInput`
-                model).
+            x: Inputs ``[B, *]`` or a dictionary batch.
             y: Targets as the loss expects.
             N: The data-set size (laplace-torch passes it).
             **kwargs: Refused (laplace-torch's ``asdl_fisher_kwargs``).
 
         Returns:
-            ``(loss, kron)``: the summed loss and laplace-torch's ``Kron`` (approximate:
-            Kronecker-factored).
+            ``(loss, kron)``, the summed loss and laplace-torch's ``Kron``.
 
         Raises:
             TypeError: For options other than ``N``.
@@ -809,8 +784,7 @@ def link_of(la: Any) -> str:
     ``"softmax"`` for laplace-torch's own backends). Any other posterior: its ``link``.
 
     Args:
-        la: A laplace-torch ``Laplace`` or any posterior with a ``link`` attribute
-            (:class:`~lsn_ext.VariationalPosterior`).
+        la: A laplace-torch ``Laplace``, or any posterior with a ``link`` attribute.
 
     Returns:
         ``"softmax"``, ``"sigmoid"`` or ``"identity"``.
