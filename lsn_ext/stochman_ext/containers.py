@@ -252,7 +252,15 @@ class SkipConnection(_ContainerSandwich, nnj.AbstractJacobian, nn.Module):
         return torch.cat([x, y_f] if self.order == "skip-first" else [y_f, x], dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        """``cat([x, F(x)], dim)`` for ``"skip-first"``, ``cat([F(x), x], dim)`` otherwise."""
+        """``cat([x, F(x)], dim)`` for ``"skip-first"``, ``cat([F(x), x], dim)`` otherwise.
+
+        Args:
+            x: The input, e.g. ``[N, C, H, W]``.
+
+        Returns:
+            ``x`` and the branch's output ``F(x)`` concatenated along ``dim``, e.g.
+            ``[N, C + C_F, H, W]``.
+        """
         dim = self._cat_dim(x)
         return self._merge(x, self._F(x), dim)
 
@@ -263,5 +271,9 @@ class SkipConnection(_ContainerSandwich, nnj.AbstractJacobian, nn.Module):
         return torch.cat([jac_in, j_f] if self.order == "skip-first" else [j_f, jac_in], dim)
 
     def extra_repr(self) -> str:
-        """``dim`` and ``order``, shown in ``repr``."""
+        """``dim`` and ``order``, shown in ``repr``.
+
+        Returns:
+            ``"dim=…, order=…"``.
+        """
         return f"dim={self.dim}, order={self.order!r}"
