@@ -572,7 +572,7 @@ class DiagBackprop(GGNInterface):
             **kwargs: ``N`` as for :meth:`last_layer_curvature`.
 
         Returns:
-            ``(loss, H)``, ``H`` the head's dense GGN.
+            (tuple[Tensor, Tensor]): ``(loss, H)``, ``H`` the head's dense GGN.
 
         Raises:
             NotImplementedError: Over all weights (no ``P × P`` GGN is formed).
@@ -740,7 +740,7 @@ class DiagBackprop(GGNInterface):
             enable_backprop: Keep the graph (as laplace-torch).
 
         Returns:
-            laplace-torch's ``(Js [B, K, P], f [B, K])``.
+            (tuple[Tensor, Tensor]): laplace-torch's ``(Js [B, K, P], f [B, K])``.
 
         Raises:
             ValueError: For a BCE loss or outputs that are not ``[N, K]``.
