@@ -188,6 +188,9 @@ def register_adapters_for(model: nn.Module | Iterable[nn.Module]) -> None:
     :mod:`lsn_ext.stochman_ext` is imported; the engines call this before looking rules up, so a
     model of ``nnj`` layers works whichever way lsn_ext was imported. ``model`` may also be the
     model's modules, already listed. Each module class is looked at once per process.
+
+    Args:
+        model: The model, or its modules.
     """
     modules = model.modules() if isinstance(model, nn.Module) else model
     for cls in {type(m) for m in modules} - _LOOKED_AT:
@@ -209,6 +212,9 @@ def functional_forms() -> dict[str, tuple[Functional, Rule]]:
     class is registered with that rule, so that the function runs as a node of the rule the
     module itself would get: ``F.tanh`` as ``nn.Tanh`` with ``RULES[nn.Tanh]``. Read from
     :data:`RULES` at each call, so a rule registered later is seen.
+
+    Returns:
+        ``{name: (form, rule)}``, e.g. ``"tanh"`` → the ``F.tanh`` form and ``RULES[nn.Tanh]``.
 
     Raises:
         ValueError: If the rules of two registered module classes claim one function name,

@@ -134,6 +134,13 @@ class Rule:
 
         Called by adapters before every use, also for layers left to autograd (e.g. dropout or
         batch norm in training mode, whose Jacobian depends on a random mask or the batch).
+
+        Args:
+            module: The layer.
+
+        Raises:
+            ValueError: For a configuration without a valid rule, naming it (this default
+                accepts every configuration).
         """
 
     def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
@@ -144,6 +151,9 @@ class Rule:
             x: Its input ``[N, *]``.
             y: Its output ``[N, *]`` for that input.
             m_out: Diagonal curvature w.r.t. ``y``, shaped like ``y``.
+
+        Returns:
+            ``m_in``, shaped like ``x``; exact for the layer given a diagonal ``m_out``.
         """
         raise NotImplementedError
 
@@ -154,6 +164,15 @@ class Rule:
 
         Keys are the names of ``module.named_parameters(recurse=False)``; each value has the
         parameter's shape and is summed over the batch. Parameter-free layers return ``{}``.
+
+        Args:
+            module: The layer.
+            x: Its input ``[N, *]``.
+            y: Its output ``[N, *]`` for that input.
+            m_out: Diagonal curvature w.r.t. ``y``, shaped like ``y``.
+
+        Returns:
+            ``{name: diagonal}``, each shaped like its parameter (``{}`` by default).
         """
         return {}
 
@@ -179,6 +198,9 @@ class Rule:
                 ``module.named_parameters(recurse=False)``) → tensor shaped like the parameter.
                 Missing names have zero variance.
 
+        Returns:
+            ``v_out``, shaped like ``y``.
+
         Raises:
             NotImplementedError: If the rule has no forward counterpart.
         """
@@ -200,6 +222,18 @@ class Rule:
         """Both rules at once: ``(m_in or None, {name: diagonal})``.
 
         Adapters call this; override it when one kernel yields both results.
+
+        Args:
+            module: The layer.
+            x: Its input ``[N, *]``.
+            y: Its output ``[N, *]`` for that input.
+            m_out: Diagonal curvature w.r.t. ``y``, shaped like ``y``.
+            need_input: Compute ``m_in`` (:meth:`input_rule`); ``False`` returns ``None``.
+            need_params: Compute the parameters' diagonals (:meth:`param_rule`).
+
+        Returns:
+            ``(m_in, {name: diagonal})``: ``m_in`` shaped like ``x`` or ``None``, each diagonal
+            shaped like its parameter.
         """
         m_in = self.input_rule(module, x, y, m_out) if need_input else None
         diags = self.param_rule(module, x, y, m_out) if need_params else {}
@@ -211,11 +245,24 @@ class Rule:
         Adapters keep the input alive only when this is True, and clone it before an in-place
         layer overwrites it. Rules whose answer depends on the configuration override this (and
         :meth:`reads_output`) together.
+
+        Args:
+            module: The layer.
+
+        Returns:
+            Whether the input's values are read.
         """
         return self.needs_input
 
     def reads_output(self, module: nn.Module) -> bool:
-        """Whether the rule reads the values of ``module``'s output (default: ``needs_output``)."""
+        """Whether the rule reads the values of ``module``'s output (default: ``needs_output``).
+
+        Args:
+            module: The layer.
+
+        Returns:
+            Whether the output's values are read.
+        """
         return self.needs_output
 
     def is_autograd_exact(self, module: nn.Module) -> bool:
@@ -223,12 +270,22 @@ class Rule:
 
         ``autograd_exact`` by default; rules whose answer depends on the configuration (nearest
         vs. interpolating upsampling) override this.
+
+        Args:
+            module: The layer.
+
+        Returns:
+            Whether adapters may leave the layer to autograd.
         """
         return self.autograd_exact
 
     @classmethod
     def has_block_rule(cls) -> bool:
-        """Whether :meth:`input_rule_block` is implemented."""
+        """Whether :meth:`input_rule_block` is implemented.
+
+        Returns:
+            ``True`` when the class overrides :meth:`input_rule_block`.
+        """
         return cls.input_rule_block is not Rule.input_rule_block
 
     def input_rule_block(self, module: nn.Module, x: Tensor, y: Tensor, h_block: Tensor) -> Tensor:
@@ -248,6 +305,18 @@ class Rule:
         classes and taps, a few ulp of the terms' magnitude, so the clamp changes the result by
         no more than that round-off. (A square-root form, ``Σ_j (aᵀ B_j)²`` with ``B Bᵀ = H``,
         would be exact in sign but cost ``C`` times more.)
+
+        Args:
+            module: The layer.
+            x: Its input ``[N, *]``.
+            y: Its output ``[N, *]`` for that input.
+            h_block: The loss Hessian's blocks ``[N, C, C, *]``.
+
+        Returns:
+            ``m_in = diag(J_x^T H J_x)``, shaped like ``x`` (exact up to round-off, clamped at 0).
+
+        Raises:
+            NotImplementedError: For a rule without a block rule (not a linear head).
         """
         raise NotImplementedError(
             f"{type(self).__name__} has no block rule for {type(module).__name__}; the exact "

@@ -420,11 +420,32 @@ class ConvRule(Rule):
         return geo.unbatch(v_out)
 
     def input_rule(self, module: _ConvNd, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
-        """``m_in = ∂_x conv(m_out; W ∘ W)``, shaped like ``x``; see the class docstring."""
+        """``m_in = ∂_x conv(m_out; W ∘ W)``, shaped like ``x``; see the class docstring.
+
+        Args:
+            module: The convolution (``nn.Conv1–3d`` or ``nn.ConvTranspose1–3d``).
+            x: Its input ``[N, C_in, *]``.
+            y: Its output ``[N, C_out, *]``.
+            m_out: Diagonal curvature w.r.t. ``y``, shaped like ``y``.
+
+        Returns:
+            ``m_in``, shaped like ``x`` (exact for the layer).
+        """
         return self.backward(module, x, y, m_out, need_params=False)[0]
 
     def param_rule(self, module: _ConvNd, x: Tensor, y: Tensor, m_out: Tensor) -> dict[str, Tensor]:
-        """``{"weight": ∂_W conv(m_out; x ∘ x), "bias": Σ m_out}``; see the class docstring."""
+        """``{"weight": ∂_W conv(m_out; x ∘ x), "bias": Σ m_out}``; see the class docstring.
+
+        Args:
+            module: The convolution (``nn.Conv1–3d`` or ``nn.ConvTranspose1–3d``).
+            x: Its input ``[N, C_in, *]``.
+            y: Its output ``[N, C_out, *]``.
+            m_out: Diagonal curvature w.r.t. ``y``, shaped like ``y``.
+
+        Returns:
+            ``{"weight": ..., "bias": ...}`` shaped like ``module.weight`` and ``module.bias``
+            (no ``"bias"`` without one), summed over the batch (exact for the layer).
+        """
         return self.backward(module, x, y, m_out, need_input=False)[1]
 
     def input_rule_block(self, module: _ConvNd, x: Tensor, y: Tensor, h_block: Tensor) -> Tensor:

@@ -42,7 +42,19 @@ class ElementwiseRule(Rule):
     """
 
     def derivative(self, module: nn.Module, x: Tensor, y: Tensor) -> Tensor:
-        """Return ``φ'(x)``, shaped like ``x`` (``y = φ(x)`` is given for cheap formulas)."""
+        """Return ``φ'(x)``, shaped like ``x`` (``y = φ(x)`` is given for cheap formulas).
+
+        The rules follow from it: ``m_in = φ'(x)² ⊙ m_out`` and ``v_out = φ'(x)² ⊙ v_in``,
+        exact for the layer.
+
+        Args:
+            module: The activation module.
+            x: Its input ``[N, *]``.
+            y: Its output, shaped like ``x``.
+
+        Returns:
+            ``φ'(x)``, shaped like ``x``.
+        """
         raise NotImplementedError
 
     def input_rule(self, module: nn.Module, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
@@ -131,6 +143,15 @@ class LeakyReLURule(ElementwiseRule):
         """``m`` where the read tensor is positive, else ``slope² · m``.
 
         One fused ``leaky_relu_backward`` with the slope squared.
+
+        Args:
+            module: The ``nn.LeakyReLU``.
+            x: Its input ``[N, *]`` (shape only when the output is read instead).
+            y: Its output, shaped like ``x``.
+            m_out: Diagonal curvature w.r.t. ``y``, shaped like ``y``.
+
+        Returns:
+            ``m_in``, shaped like ``x`` (exact).
         """
         t = y if self.reads_output(module) else x
         return torch.ops.aten.leaky_relu_backward(m_out, t, module.negative_slope**2, False)

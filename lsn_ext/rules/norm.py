@@ -144,7 +144,15 @@ class BatchNormRule(Rule):
             )
 
     def standardised(self, module: _BatchNorm, x: Tensor) -> Tensor:
-        """``x̂ = (x − μ) / sqrt(σ² + ε)`` with the running statistics, shaped like ``x``."""
+        """``x̂ = (x − μ) / sqrt(σ² + ε)`` with the running statistics, shaped like ``x``.
+
+        Args:
+            module: The batch norm (in eval mode, or without running statistics' updates).
+            x: Its input ``[N, C, *]``.
+
+        Returns:
+            ``x̂``, shaped like ``x``.
+        """
         self.check(module)
         return _running_standardised(module, x)
 

@@ -98,6 +98,15 @@ class AvgPoolRule(Rule):
     def input_rule(self, module: _AvgPool, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
         """Return ``m_in = J^T (m_out / n)``, shaped like ``x`` (see the class docstring).
 
+        Args:
+            module: The ``nn.AvgPool1d/2d/3d``.
+            x: Its input ``[N, C, *]``.
+            y: Its output ``[N, C, *]``.
+            m_out: Diagonal curvature w.r.t. ``y``, shaped like ``y``.
+
+        Returns:
+            ``m_in``, shaped like ``x`` (exact for the layer).
+
         Raises:
             TypeError: If ``module`` is not an ``nn.AvgPool1d/2d/3d``.
         """
@@ -118,6 +127,16 @@ class AvgPoolRule(Rule):
         param_var: Mapping[str, Tensor],
     ) -> Tensor:
         """Return ``v_out = avgpool(v_in) / n``, shaped like ``y`` (see the class docstring).
+
+        Args:
+            module: The ``nn.AvgPool1d/2d/3d``.
+            x: Its input ``[N, C, *]``.
+            y: Its output ``[N, C, *]``.
+            v_in: Variance of ``x``, shaped like ``x``; ``None`` means zero.
+            param_var: Unused (no parameters).
+
+        Returns:
+            ``v_out``, shaped like ``y`` (exact for the layer).
 
         Raises:
             TypeError: If ``module`` is not an ``nn.AvgPool1d/2d/3d``.

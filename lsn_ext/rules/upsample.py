@@ -278,11 +278,29 @@ class UpsampleRule(Rule):
     """
 
     def is_autograd_exact(self, module: nn.Upsample) -> bool:
-        """Nearest modes copy inputs (a 0/1 Jacobian): their backward pass is the DB step."""
+        """Nearest modes copy inputs (a 0/1 Jacobian): their backward pass is the DB step.
+
+        Args:
+            module: The ``nn.Upsample``.
+
+        Returns:
+            ``True`` for ``"nearest"`` and ``"nearest-exact"``, ``False`` for the interpolating
+            modes.
+        """
         return module.mode in _NEAREST_MODES
 
     def input_rule(self, module: nn.Upsample, x: Tensor, y: Tensor, m_out: Tensor) -> Tensor:
-        """Return ``m_in = (J ∘ J)^T m_out``, shaped like ``x`` (see :func:`interpolate_rule`)."""
+        """Return ``m_in = (J ∘ J)^T m_out``, shaped like ``x`` (see :func:`interpolate_rule`).
+
+        Args:
+            module: The ``nn.Upsample``.
+            x: Its input ``[N, C, *]``.
+            y: Its output ``[N, C, *]``.
+            m_out: Diagonal curvature w.r.t. ``y``, shaped like ``y``.
+
+        Returns:
+            ``m_in``, shaped like ``x`` (exact for the layer).
+        """
         return interpolate_rule(x, y, m_out, **_module_settings(module))
 
     def forward_rule(
@@ -293,5 +311,16 @@ class UpsampleRule(Rule):
         v_in: Tensor | None,
         param_var: Mapping[str, Tensor],
     ) -> Tensor:
-        """Return ``v_out = (J ∘ J) v_in``, shaped like ``y`` (:func:`interpolate_forward_rule`)."""
+        """Return ``v_out = (J ∘ J) v_in``, shaped like ``y`` (:func:`interpolate_forward_rule`).
+
+        Args:
+            module: The ``nn.Upsample``.
+            x: Its input ``[N, C, *]``.
+            y: Its output ``[N, C, *]``.
+            v_in: Variance of ``x``, shaped like ``x``; ``None`` means zero.
+            param_var: Unused (no parameters).
+
+        Returns:
+            ``v_out``, shaped like ``y`` (exact for the layer).
+        """
         return interpolate_forward_rule(x, y, v_in, **_module_settings(module))
