@@ -71,6 +71,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     The curvature and the predictive run on the underlying module: DDP's forward would install
     its gradient-synchronisation hooks and broadcast buffers on every call, which the per-sample
     replays of the estimators must not trigger. The parameters are the same tensors.
+
+    Args:
+        model: A network, possibly wrapped (nested wrappers are unwrapped too).
+
+    Returns:
+        The innermost ``module``, or ``model`` itself.
     """
     while isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
         model = model.module

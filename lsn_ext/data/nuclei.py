@@ -64,7 +64,11 @@ def load_nuclei() -> tuple[Tensor, Tensor]:
 
 
 def load_histology() -> Tensor:
-    """The H&E image in grey, ``0.299 R + 0.587 G + 0.114 B``: ``[300, 500]`` float64, 0–255."""
+    """The H&E image in grey, ``0.299 R + 0.587 G + 0.114 B``: ``[300, 500]`` float64, 0–255.
+
+    Returns:
+        The grey image ``[300, 500]``, float64 on the 0–255 scale.
+    """
     rgb = _read("histo.jpg").astype(np.float64)
     return torch.from_numpy(rgb @ np.array([0.299, 0.587, 0.114]))
 
@@ -167,7 +171,14 @@ class NucleiSplits:
     std: float
 
     def normalise(self, raw: Tensor) -> Tensor:
-        """Map raw intensities (0–255 scale) to the model's input scale."""
+        """Map raw intensities (0–255 scale) to the model's input scale, ``(raw − mean) / std``.
+
+        Args:
+            raw: Images on the 0–255 scale, any shape.
+
+        Returns:
+            The normalised images, shaped like ``raw``.
+        """
         return (raw - self.mean) / self.std
 
 
@@ -221,6 +232,10 @@ def nuclei_patches(
 
 def histology_patches(splits: NucleiSplits, size: int = 64) -> Tensor:
     """Non-overlapping ``size × size`` patches of the H&E image, normalised like the nuclei.
+
+    Args:
+        splits: The nuclei splits whose ``mean``/``std`` and dtype the patches take.
+        size: Patch side ``S``.
 
     Returns:
         ``[P, 1, S, S]`` (28 patches for ``S = 64``), dtype of ``splits.train_x``.
