@@ -9,7 +9,14 @@
 """
 
 from lsn_ext.kron.adapter import KronLaplaceND, init_kron
-from lsn_ext.kron.curvature import KronResult, kron_curvature
+from lsn_ext.kron.curvature import KronResult, check_kron_options, kron_curvature
 from lsn_ext.kron.layers import KFAC_TYPES
 
-__all__ = ["KFAC_TYPES", "KronLaplaceND", "KronResult", "init_kron", "kron_curvature"]
+__all__ = [
+    "KFAC_TYPES",
+    "KronLaplaceND",
+    "KronResult",
+    "check_kron_options",
+    "init_kron",
+    "kron_curvature",
+]

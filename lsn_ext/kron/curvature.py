@@ -37,6 +37,15 @@ output-gradient factor as laplace-torch + curvlinops give it, which for KFAC-exp
 cross-position terms (``integration/results/kron_expand_reduce.md``: relative errors of 0.06 to
 0.8 for expand's, 0 for the exact block, at the same cost).
 
+Cost. KFAC-expand's column factor takes ``M T D²`` multiply-adds per call (``D = C_in · ∏k``
+for a convolution), ``D / C_out`` times the layer's forward pass: most of KFAC-expand's time on
+convolutional networks (``integration/results/bench_speed.md``). The patches are gathered tap by
+tap from the padded input (:meth:`~lsn_ext.kron.layers.Columns.gram`), not copied from the
+im2col view. ``position_fraction < 1`` builds it from a random subset of each sample's
+positions, weighted to stay unbiased, at that fraction of the cost and with added noise
+(``integration/results/kron_expand_reduce.md`` measures it); KFAC-reduce's only sums the
+patches.
+
 Every other parameter (norm affines, PReLU, attention projections that are not ``nn.Linear``
 calls, embeddings, a weight held by several modules) gets a block from its gradients
 (:class:`~lsn_ext.kron.factors.OtherBlock`): per-sample gradients where the leaf module holding
@@ -75,11 +84,9 @@ from lsn_ext.kron.layers import (
 )
 from lsn_ext.rules.losses import Loss, as_loss
 
-__all__ = ["KronResult", "kron_curvature"]
+__all__ = ["KronResult", "check_kron_options", "kron_curvature"]
 
 Kron = laplace.utils.matrix.Kron
-
-_CHUNK = 1 << 22  # entries of one copied chunk of column vectors
 
 
 @dataclass
@@ -137,6 +144,8 @@ class _Layer:
     mode: Mode
     bias_mode: Mode  # "reduce": the bias's exact block; the weight's mode: its G
     batch: int
+    fraction: float = 1.0  # of the positions whose columns enter KFAC-expand's moment
+    generator: torch.Generator | None = None  # for those positions
     inputs: list[Tensor] = field(default_factory=list)
     positions: int = 0
     totals: dict[str, Tensor] = field(default_factory=dict)
@@ -176,15 +185,15 @@ class _Layer:
             return
         cols = columns(self.module, self.path, x)
         self.positions += cols.positions
-        if self.weight is not None:
-            self._add_columns(cols)
+        if self.weight is not None and self.fraction == 1.0:
+            self._add_columns(cols)  # else in after_forward, after the draws of z
 
     def _add_columns(self, cols: Columns) -> None:
+        moment = self.moments["cols"]
         if self.mode == "reduce":  # only the sums over positions: no copy of the patches
-            self.moments["cols"].add(cols.total())
+            moment.add(cols.total())
         else:
-            for chunk in _chunks(cols):
-                self.moments["cols"].add(chunk)
+            moment.add_gram(cols.gram(self.fraction, self.generator))
 
     def backward(self, call: int, g: Tensor, first: bool) -> None:
         """The gradient ``g`` at the output of call ``call`` in one draw."""
@@ -223,7 +232,15 @@ class _Layer:
         self._grad("weight", torch.stack([terms.sum(), terms.abs().sum()]))
 
     def after_forward(self) -> None:
-        """Close the moment that does not depend on the draws."""
+        """Close the moment that does not depend on the draws.
+
+        With ``fraction < 1`` a convolution's or ``Linear``'s columns are sampled here, after
+        the draws of ``z``, so that ``z`` (and with it ``G``) is what the same generator gives
+        with every position.
+        """
+        if self.weight is not None and self.fraction < 1.0 and not self.transposed:
+            for x in self.inputs:
+                self._add_columns(columns(self.module, self.path, x))
         key = "rows" if self.transposed else "cols"
         self._collect(key, self.moments[key].take())
 
@@ -250,18 +267,6 @@ class _Layer:
             key = "rows" if self.bias_from_rows else "bias"
             out[self.bias] = [self.totals.get(key, like.new_zeros(C, C)) / draws]
         return out
-
-
-def _spans(cols: Columns) -> list[tuple[int, int]]:
-    """Ranges of ``P[0]`` whose column vectors hold about ``_CHUNK`` entries."""
-    per = max(1, cols.view.shape[0] * (cols.positions // max(cols.length, 1)) * cols.width)
-    step = max(1, _CHUNK // per)
-    return [(a, min(a + step, cols.length)) for a in range(0, cols.length, step)]
-
-
-def _chunks(cols: Columns):
-    for a, b in _spans(cols):
-        yield cols.chunk(a, b)
 
 
 @dataclass
@@ -372,9 +377,36 @@ def _noise(
     return z.to(f.dtype) * 2 - 1
 
 
-def _check_args(mode: str, mc_samples: Any, full_limit: Any, N: Any, batch: int) -> None:
+def check_kron_options(mode: Any, fraction: Any, prefix: str = "") -> None:
+    """Refuse a KFAC ``mode`` other than expand/reduce, and a bad ``position_fraction``.
+
+    Args:
+        mode: :func:`kron_curvature`'s ``mode``.
+        fraction: Its ``position_fraction``: in ``(0, 1]``, and 1 with ``mode="reduce"``.
+        prefix: Put before the names in the messages (``"kron_"``: ``DiagBackprop``'s).
+
+    Raises:
+        ValueError: Naming the argument, the value and what to do.
+    """
     if mode not in ("expand", "reduce"):
-        raise ValueError(f"mode must be 'expand' or 'reduce', got {mode!r}")
+        raise ValueError(f"{prefix}mode must be 'expand' or 'reduce', got {mode!r}")
+    name = f"{prefix}position_fraction"
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise ValueError(f"{name} must be a number in (0, 1], got {fraction!r}")
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"{name} must be a number in (0, 1], got {fraction!r}")
+    if mode == "reduce" and fraction != 1.0:
+        raise ValueError(
+            f"{name}={fraction!r} samples the positions of KFAC-expand's patch factor; "
+            "KFAC-reduce only sums the patches (about a forward pass's cost): leave "
+            f"{name} at 1 with the 'reduce' mode"
+        )
+
+
+def _check_args(
+    mode: str, mc_samples: Any, full_limit: Any, N: Any, batch: int, fraction: Any
+) -> None:
+    check_kron_options(mode, fraction)
     if mc_samples != "exact" and (
         isinstance(mc_samples, bool) or not isinstance(mc_samples, int) or mc_samples < 1
     ):
@@ -431,6 +463,7 @@ def kron_curvature(
     generator: torch.Generator | None = None,
     noise: Tensor | None = None,
     full_limit: int = 512,
+    position_fraction: float = 1.0,
 ) -> KronResult:
     """KFAC GGN of ``model`` on one batch, as laplace-torch's ``Kron`` (module documentation).
 
@@ -458,13 +491,24 @@ def kron_curvature(
         full_limit: Parameters outside KFAC layers with at most this many entries get a full
             block (1-D) or the nearest Kronecker product of their full block (≥ 2-D); larger ones
             a diagonal (1-D) or Kronecker-factored gradient moments (≥ 2-D).
+        position_fraction: KFAC-expand only: the fraction of each sample's weight-sharing
+            positions, per call, whose column vectors enter the column factor ``F_1`` (a
+            convolution's or a token-wise ``Linear``'s ``A``, from input patches; a transposed
+            convolution's output-gradient patches), drawn uniformly without replacement with
+            ``generator`` after the draws of ``z`` and weighted by ``T/T'``: an unbiased
+            estimate of the full factor at about ``position_fraction`` times its cost, which is
+            ``D / C_out`` times the layer's forward pass (``D = C_in · ∏k``) and most of
+            KFAC-expand's. ``F_0`` (``G``), the biases and the other blocks are unchanged (the
+            same as with every position for the same ``generator``). 1 (default): every
+            position, no sampling.
 
     Returns:
         :class:`KronResult`; ``(result.loss, result.kron)`` is what laplace-torch's
         ``CurvatureInterface.kron(x, y, N)`` returns.
 
     Raises:
-        ValueError: For bad arguments, a KFAC layer called without the batch on dim 0 of a
+        ValueError: For bad arguments (``position_fraction < 1`` with ``mode="reduce"``
+            included), a KFAC layer called without the batch on dim 0 of a
             batched input, a KFAC layer whose weight gradient is not what its calls give (the
             weight is also used elsewhere), non-finite logits, and bad targets (from ``loss``).
         TypeError: For inputs or outputs that are not tensors.
@@ -472,7 +516,7 @@ def kron_curvature(
     if not isinstance(inputs, Tensor) or inputs.dim() == 0:
         raise TypeError(f"inputs must be a batched tensor [M, *], got {type(inputs).__name__}")
     batch = inputs.shape[0]
-    _check_args(mode, mc_samples, full_limit, N, batch)
+    _check_args(mode, mc_samples, full_limit, N, batch, position_fraction)
     if bias_block not in ("exact", "kfac"):
         raise ValueError(f"bias_block must be 'exact' or 'kfac', got {bias_block!r}")
     loss_fn = as_loss(loss)
@@ -482,6 +526,8 @@ def kron_curvature(
     names = {id(p): n for n, p in named}
     bias_mode: Mode = "reduce" if bias_block == "exact" else mode
     layers, holders = _plan(model, names, mode, bias_mode, batch)
+    for layer in layers:
+        layer.fraction, layer.generator = float(position_fraction), generator
     in_layers = {n for layer in layers for n in (layer.weight, layer.bias) if n is not None}
     replays: dict[int, _Replay] = {}
     for n, p in named:

@@ -60,11 +60,16 @@ class Moment:
         """Add vectors ``[N, t, k, D]`` (``k`` groups, each its own vector of length ``D``)."""
         if self.mode == "expand":
             flat = v.reshape(-1, v.shape[-1])
-            gram = flat.T @ flat
-            self.gram = gram if self.gram is None else self.gram.add_(gram)
+            self.add_gram(flat.T @ flat)
         else:
             s = v.sum(1)
             self.sums = s if self.sums is None else self.sums.add_(s)
+
+    def add_gram(self, gram: Tensor) -> None:
+        """Add a KFAC-expand moment ``Σ v vᵀ`` ``[D, D]`` computed elsewhere."""
+        if self.mode != "expand":
+            raise ValueError("KFAC-reduce needs the vectors' sums, not their outer products")
+        self.gram = gram if self.gram is None else self.gram.add_(gram)
 
     def take(self) -> Tensor | None:
         """The moment ``[D, D]`` so far (``None`` if nothing was added); resets."""

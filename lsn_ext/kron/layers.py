@@ -37,14 +37,17 @@ Everything here is a view or a reshape; the moments are taken in :mod:`lsn_ext.k
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
+    "CHUNK",
     "CONV",
     "KFAC_TYPES",
     "TRANSPOSED",
@@ -66,6 +69,8 @@ TRANSPOSED: tuple[type[nn.Module], ...] = (
 )
 KFAC_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, *CONV, *TRANSPOSED)
 """Exact classes with Kronecker factors (a subclass may compute something else in ``forward``)."""
+CHUNK = 1 << 22
+"""Entries of one gathered chunk of patches in :meth:`Columns.gram` (16 MiB in float32)."""
 
 
 def describe(module: nn.Module, path: str) -> str:
@@ -117,22 +122,22 @@ def _transposed_pads(module: nn.Module, x: Tensor, g: Tensor) -> list[tuple[int,
     return pads
 
 
-def _windows(
-    x: Tensor,
-    kernel: Sequence[int],
-    stride: Sequence[int],
-    dilation: Sequence[int],
-    pads: Sequence[tuple[int, int]],
-    mode: str = "zeros",
-) -> Tensor:
-    """im2col of ``x`` ``[N, C, *S]`` as a view ``[N, *O, C, *K]`` (after one padded copy).
+def _pad(x: Tensor, pads: Sequence[tuple[int, int]], mode: str = "zeros") -> Tensor:
+    """``x`` ``[N, C, *S]`` padded by ``(left, right)`` per spatial dim (negative pads crop)."""
+    flat = [p for pair in reversed(pads) for p in pair]
+    if not any(flat):
+        return x
+    return F.pad(x, flat, mode="constant" if mode == "zeros" else mode)
 
-    ``out[n, o, c, k] = x_pad[n, c, o·s + k·d]``; negative pads crop.
+
+def _windows(
+    x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]
+) -> Tensor:
+    """im2col of a padded ``x`` ``[N, C, *S]`` as a view ``[N, *O, C, *K]`` (no copy).
+
+    ``out[n, o, c, k] = x[n, c, o·s + k·d]``.
     """
     d = len(kernel)
-    flat = [p for pair in reversed(pads) for p in pair]
-    if any(flat):
-        x = F.pad(x, flat, mode="constant" if mode == "zeros" else mode)
     for i, (k, s, dil) in enumerate(zip(kernel, stride, dilation, strict=True)):
         x = x.unfold(2 + i, dil * (k - 1) + 1, s)
     # [N, C, *O, *W]: keep every dil-th tap of each window
@@ -152,21 +157,23 @@ class Columns:
             ``[N, *S_in, C_out, *k]`` of the output gradient.
         dims: ``len(P)``, the weight-sharing dims after the batch.
         groups: Channel groups (1 for ``Linear``).
+        padded: Convolutions: the padded tensor ``[N, C, *S]`` that ``view`` windows (``None``
+            for ``Linear``); with ``kernel``, ``stride`` and ``dilation`` it lets :meth:`gram`
+            gather the patches tap by tap.
     """
 
     view: Tensor
     dims: int
     groups: int
+    padded: Tensor | None = None
+    kernel: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    dilation: tuple[int, ...] = ()
 
     @property
     def positions(self) -> int:
         """Weight-sharing positions per sample, ``∏ P``."""
         return math.prod(self.view.shape[1 : 1 + self.dims])
-
-    @property
-    def length(self) -> int:
-        """``P[0]``, the dim that :meth:`chunk` slices."""
-        return self.view.shape[1]
 
     @property
     def width(self) -> int:
@@ -178,10 +185,84 @@ class Columns:
         s = self.view.sum(tuple(range(1, 1 + self.dims)))
         return s.reshape(s.shape[0], 1, self.groups, self.width // self.groups)
 
-    def chunk(self, start: int, stop: int) -> Tensor:
-        """``[N, t, groups, D]`` for positions ``start:stop`` of ``P[0]`` (one copy)."""
-        part = self.view[:, start:stop]
-        return part.reshape(part.shape[0], -1, self.groups, self.width // self.groups)
+    def gram(self, fraction: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
+        """``Σ_{n,t,j} c_{n,t,j} c_{n,t,j}ᵀ`` ``[D, D]`` over the positions and groups.
+
+        With ``fraction < 1`` each sample keeps ``T' = ⌈fraction · T⌉`` of its ``T`` positions,
+        drawn uniformly without replacement and independently per sample (``generator``), and
+        the sum over them is weighted by ``T/T'``: every position is kept with probability
+        ``T'/T``, so the result is an unbiased estimate of the full moment.
+
+        Convolutions gather the patches from :attr:`padded` by kernel tap, as ``[groups, D,
+        n·t]`` matrices (whole rows of strided slices, in chunks of about :data:`CHUNK` entries
+        of the first position dim; or the kept positions by one ``gather``), which is cheaper
+        than copying the im2col view.
+        """
+        if fraction < 1.0:
+            return self._sampled_gram(fraction, generator)
+        D = self.width // self.groups
+        if self.padded is None:  # Linear: the input itself
+            flat = self.view.reshape(-1, D)
+            return flat.T @ flat
+        xt = self.padded.transpose(0, 1)  # [C, N, *S]
+        N = xt.shape[1]
+        out_size = self.view.shape[1 : 1 + self.dims]
+        rest = math.prod(out_size[1:])
+        step = max(1, CHUNK // max(1, self.width * N * rest))
+        gram = None
+        for a in range(0, out_size[0], step):
+            b = min(a + step, out_size[0])
+            slices = []
+            for tap in itertools.product(*map(range, self.kernel)):
+                first = [k * d for k, d in zip(tap, self.dilation, strict=True)]
+                first[0] += a * self.stride[0]
+                counts = [b - a, *out_size[1:]]
+                index = tuple(
+                    slice(f, f + (n - 1) * s + 1, s)
+                    for f, n, s in zip(first, counts, self.stride, strict=True)
+                )
+                slices.append(xt[(slice(None), slice(None), *index)])
+            M = torch.stack(slices, 1).reshape(self.groups, D, -1)  # [(c, k), (n, t)] per group
+            part = _group_gram(M)
+            gram = part if gram is None else gram.add_(part)
+        return gram
+
+    def _sampled_gram(self, fraction: float, generator: torch.Generator | None) -> Tensor:
+        """:meth:`gram` over a random ``fraction`` of each sample's positions, weighted."""
+        N, T = self.view.shape[0], self.positions
+        kept = min(T, math.ceil(fraction * T))
+        device = self.view.device
+        order = torch.rand(N, T, generator=generator, device=device).argsort(dim=1)[:, :kept]
+        D = self.width // self.groups
+        if self.padded is None:  # Linear on tokens: [N, T, I]
+            flat = self.view.reshape(N, T, -1)
+            part = torch.gather(flat, 1, order.unsqueeze(2).expand(N, kept, flat.shape[2]))
+            M = part.reshape(-1, D).T.unsqueeze(0)
+        else:
+            # linear index into the padded positions of position o and tap k:
+            # Σ_i (o_i s_i + k_i d_i) · (stride of padded spatial dim i)
+            spatial = self.padded.shape[2:]
+            steps = [math.prod(spatial[i + 1 :]) for i in range(self.dims)]
+            where = torch.unravel_index(order, self.view.shape[1 : 1 + self.dims])
+            base = sum(o * (s * st) for o, s, st in zip(where, self.stride, steps, strict=True))
+            taps = torch.tensor(
+                [
+                    sum(k * d * st for k, d, st in zip(tap, self.dilation, steps, strict=True))
+                    for tap in itertools.product(*map(range, self.kernel))
+                ],
+                device=device,
+            )
+            index = (taps.view(1, -1, 1) + base.unsqueeze(1)).reshape(N, 1, -1)  # [N, 1, K T']
+            flat = self.padded.reshape(N, self.padded.shape[1], -1)
+            part = torch.gather(flat, 2, index.expand(N, flat.shape[1], -1))  # [N, C, K T']
+            M = part.unflatten(2, (len(taps), kept)).permute(1, 2, 0, 3)  # [C, K, N, T']
+            M = M.reshape(self.groups, D, -1)
+        return _group_gram(M).mul_(T / kept)
+
+
+def _group_gram(M: Tensor) -> Tensor:
+    """``Σ_j M_j M_jᵀ`` of ``[groups, D, m]``."""
+    return M[0] @ M[0].T if M.shape[0] == 1 else torch.einsum("jdt,jet->de", M, M)
 
 
 def columns(module: nn.Module, path: str, x: Tensor, g: Tensor | None = None) -> Columns:
@@ -199,20 +280,19 @@ def columns(module: nn.Module, path: str, x: Tensor, g: Tensor | None = None) ->
         return Columns(view, view.dim() - 2, 1)
     d = _spatial(module, x, path)
     if type(module) in CONV:
-        mode = "zeros" if module.padding_mode == "zeros" else module.padding_mode
-        pads = _conv_pads(module, d)
-        view = _windows(x, module.kernel_size, module.stride, module.dilation, pads, mode)
-        return Columns(view, d, module.groups)
-    if g is None:
+        padded = _pad(x, _conv_pads(module, d), module.padding_mode)
+    elif g is None:
         raise ValueError(f"{describe(module, path)}: a transposed convolution's columns need g")
-    pads = _transposed_pads(module, x, g)
-    view = _windows(g, module.kernel_size, module.stride, module.dilation, pads)
-    if tuple(view.shape[1 : 1 + d]) != tuple(x.shape[2:]):
+    else:
+        padded = _pad(g, _transposed_pads(module, x, g))
+    geometry = (tuple(module.kernel_size), tuple(module.stride), tuple(module.dilation))
+    view = _windows(padded, *geometry)
+    if type(module) in TRANSPOSED and tuple(view.shape[1 : 1 + d]) != tuple(x.shape[2:]):
         raise ValueError(
             f"{describe(module, path)}: input {tuple(x.shape)} and output gradient "
             f"{tuple(g.shape)} do not fit a transposed convolution with this module's settings"
         )
-    return Columns(view, d, module.groups)
+    return Columns(view, d, module.groups, padded, *geometry)
 
 
 def projected_columns(module: nn.Module, path: str, x: Tensor, g: Tensor, v: Tensor) -> Tensor:
@@ -235,13 +315,9 @@ def projected_columns(module: nn.Module, path: str, x: Tensor, g: Tensor, v: Ten
     conv = (F.conv1d, F.conv2d, F.conv3d)[d - 1]
     kernel = v.reshape(v.shape[0], -1, *module.kernel_size)
     if type(module) in CONV:
-        source, pads = x, _conv_pads(module, d)
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        source = _pad(x, _conv_pads(module, d), module.padding_mode)
     else:
-        source, mode, pads = g, "constant", _transposed_pads(module, x, g)
-    flat = [p for pair in reversed(pads) for p in pair]
-    if any(flat):
-        source = F.pad(source, flat, mode=mode)
+        source = _pad(g, _transposed_pads(module, x, g))
     out = conv(source, kernel, stride=module.stride, dilation=module.dilation, groups=module.groups)
     return out.flatten(2).transpose(1, 2)
 

@@ -27,7 +27,7 @@ from lsn_ext._laplace import (
     baselaplace as _laplace_module,
 )
 from lsn_ext.estimators import Estimator, check_estimator, ggn_diagonal
-from lsn_ext.kron import kron_curvature
+from lsn_ext.kron import check_kron_options, kron_curvature
 from lsn_ext.laplace_ext.checks import (
     check_eval_norms,
     check_finite,
@@ -195,10 +195,11 @@ class DiagBackprop(GGNInterface):
         num_samples: laplace-torch's name for ``mc_samples``.
         distributed: Sum the curvature over the ranks of an initialised ``torch.distributed``
             process group (default). ``False``: each rank keeps its own shard's posterior.
-        kron_mode: ``"expand"`` (default) or ``"reduce"``, the KFAC variant of
-            ``hessian_structure="kron"`` (Eschenhagen et al., 2023; the pixels are the
-            weight-sharing dimension); ``integration/results/kron_expand_reduce.md`` measures
-            both against the exact GGN blocks.
+        kron_mode: ``"expand"`` (default) or ``"reduce"``, the KFAC variant of ``"kron"``
+            (Eschenhagen et al., 2023; the pixels share the weights), both measured against the
+            exact GGN blocks in ``integration/results/kron_expand_reduce.md``.
+        kron_position_fraction: KFAC-expand's patch factor (``A``) from this random fraction of
+            the positions, unbiased; default 1 (all): ``kron_curvature``'s ``position_fraction``.
 
     Raises:
         ValueError: For a model without parameters or with all of them frozen (message says
@@ -233,6 +234,7 @@ class DiagBackprop(GGNInterface):
         num_samples: int | None = None,
         distributed: bool = True,
         kron_mode: Literal["expand", "reduce"] = "expand",
+        kron_position_fraction: float = 1.0,
     ):
         # GGNInterface.__init__ would store ``stochastic``/``num_samples``; here they are
         # read-only views of the estimator, so initialise the base interface directly.
@@ -266,9 +268,8 @@ class DiagBackprop(GGNInterface):
         if not isinstance(distributed, bool):
             raise TypeError(f"distributed must be a bool, got {distributed!r}")
         self.distributed = distributed
-        if kron_mode not in ("expand", "reduce"):
-            raise ValueError(f"kron_mode must be 'expand' or 'reduce', got {kron_mode!r}")
-        self.kron_mode = kron_mode
+        check_kron_options(kron_mode, kron_position_fraction, prefix="kron_")
+        self.kron_mode, self.kron_position_fraction = kron_mode, kron_position_fraction
         self._seen = 0  # samples summed over the ranks in the current fit
         self._checked_output: tuple | None = None  # fingerprint of the model last checked
         self._fit: list[int] | None = None  # [id of laplace-torch's fit frame, batches left]
@@ -717,15 +718,11 @@ class DiagBackprop(GGNInterface):
             )
         x, y = self._checked_batch(x, y)
         result = kron_curvature(
-            self.model,
-            x,
-            y,
-            self.loss_fn,
-            N=N,
-            mode=self.kron_mode,
+            self.model, x, y, self.loss_fn, N=N, mode=self.kron_mode,
+            position_fraction=self.kron_position_fraction,
             mc_samples=self.mc_samples if self.stochastic else 1,
             generator=self._batch_generator(x, y),
-        )
+        )  # fmt: skip
         return result.loss, result.kron
 
     def jacobians(self, x: Tensor | MutableMapping[str, Any], enable_backprop: bool = False):

@@ -24,6 +24,19 @@ BAD_ARGUMENTS = {
     "mc_samples-bool": ({"mc_samples": True}, "mc_samples must be a positive int"),
     "full_limit": ({"full_limit": -1}, "full_limit must be a non-negative int"),
     "N-below-batch": ({"N": 1}, "at least the batch's 2"),
+    "position_fraction-zero": (
+        {"position_fraction": 0},
+        r"position_fraction must be a number in \(0, 1\], got 0",
+    ),
+    "position_fraction-above-one": (
+        {"position_fraction": 1.01},
+        r"position_fraction must be a number in \(0, 1\]",
+    ),
+    "position_fraction-string": ({"position_fraction": "half"}, "position_fraction must be a"),
+    "position_fraction-with-reduce": (
+        {"position_fraction": 0.5, "mode": "reduce"},
+        "KFAC-reduce only sums the patches",
+    ),
     "noise-shape": (
         {"noise": torch.ones(2, 2, 2, 3, dtype=torch.float64)},
         r"noise must have shape \[S, 2, 2, 3, 3\]",
