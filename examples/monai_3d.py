@@ -1,61 +1,53 @@
-"""A MONAI 3-D segmentation pipeline with a Laplace approximation and voxel-wise uncertainty.
+"""A MONAI 3-D segmentation pipeline with a Laplace approximation and voxel-wise uncertainty
+==========================================================================================
 
 What it shows, in the order a MONAI user writes it:
 
-1. Synthetic CT-like cases (bright ellipsoids in a noisy background with a bias field), written as
-   NIfTI files and listed as ``[{"image": path, "label": path}, ...]``.
-2. MONAI dictionary transforms (``LoadImaged``, ``EnsureChannelFirstd``, ``ScaleIntensityd``,
-   ``RandSpatialCropd``, ``RandFlipd``, ``CastToTyped``), ``monai.data.Dataset`` and
-   ``DataLoader``: batches ``{"image": MetaTensor [N, 1, D, H, W], "label": [N, 1, D, H, W]}``
-   with integer labels.
-3. A ``BasicUNet`` trained on random crops with ``DiceCELoss``.
-4. laplace-torch's ``Laplace(..., hessian_structure="diag", backend=lsn_ext.DiagBackprop,
-   dict_key_x="image", dict_key_y="label")`` on the network wrapped in ``lsn_ext.SelectInput``,
+1. Synthetic CT-like cases (bright ellipsoids in a noisy background with a bias field) on an
+   anisotropic voxel grid (0.8 × 0.8 × 1.5 mm, two axes flipped, an origin away from 0), written
+   as NIfTI files and listed as `[{"image": path, "label": path}, ...]`.
+2. MONAI dictionary transforms (`LoadImaged`, `EnsureChannelFirstd`, `ScaleIntensityd`,
+   `RandSpatialCropd`, `RandFlipd`, `CastToTyped`), `monai.data.Dataset` and `DataLoader`:
+   batches `{"image": MetaTensor [N, 1, D, H, W], "label": [N, 1, D, H, W]}` with integer
+   labels.
+3. A `BasicUNet` trained on random crops with `DiceCELoss`.
+4. laplace-torch's `Laplace(..., hessian_structure="diag", backend=DiagBackprop,
+   dict_key_x="image", dict_key_y="label")` on the network wrapped in `lsn_ext.SelectInput`,
    fitted on the dictionary loader of the whole training volumes, and the prior precision from
    the marginal likelihood.
 5. Uncertainty maps of a test volume larger than the training crops by sliding windows:
-   ``lsn_ext.predict(la, volume, n, window=lsn_ext.SlidingWindow(crop))``, saved as NIfTI
-   (foreground probability, its epistemic variance, predictive entropy, mutual information), and
-   a summary: Dice, and the mean entropy and mutual information inside the structures, outside
-   them, and on their boundary (``summary.json`` beside the maps).
+   `lsn_ext.predict(la, volume, n, window=lsn_ext.SlidingWindow(crop))`. MONAI's `SaveImage`
+   writes them as NIfTI (foreground probability, its epistemic variance, predictive entropy,
+   mutual information) with the test image's `MetaTensor` affine, so they overlay the scan in
+   any viewer; MONAI's `DiceMetric` scores the prediction. A figure shows the middle slice of
+   each map with a colorbar, and a summary gives the Dice and the mean entropy and mutual
+   information inside the structures, outside them and on their boundary (`summary.json`).
 
-Run from the repository root (CPU, float32; about a minute on two cores at the defaults)::
+Each step prints what it runs and how long it took; training, fit, prior and prediction (over
+the posterior draws and the windows of each) show tqdm progress bars on stderr
+(`--no-progress` hides them). Needs `pip install "lsn-ext[monai]"` (MONAI and nibabel). Run from
+the repository root:
 
-    .venv/bin/python examples/monai_3d.py --out examples_out/monai_3d
-    .venv/bin/python examples/monai_3d.py --quick   # seconds: tiny volumes, few steps
+```bash
+.venv/bin/python examples/monai_3d.py --out examples_out/monai_3d
+.venv/bin/python examples/monai_3d.py --quick   # seconds: tiny volumes, few steps
+LSN_EXT_QUICK=1 .venv/bin/python examples/monai_3d.py   # the same as --quick
+```
 
-Open the maps in any NIfTI viewer (3D Slicer, ITK-SNAP, fsleyes) over ``test_image.nii.gz``.
+The flags are checked before torch is imported, so `--help` and a mistyped flag answer at once.
+`LSN_EXT_QUICK=1` selects the quick sizes without arguments (for a documentation build that runs
+the examples). Open the maps in any NIfTI viewer (3D Slicer, ITK-SNAP, fsleyes) over
+`test_image.nii.gz`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-
-import nibabel as nib
-import numpy as np
-import torch
-import torch.nn.functional as F
-from laplace import Laplace
-from monai.data import DataLoader, Dataset
-from monai.losses import DiceCELoss
-from monai.networks.nets import BasicUNet
-from monai.transforms import (
-    CastToTyped,
-    Compose,
-    EnsureChannelFirstd,
-    LoadImaged,
-    RandFlipd,
-    RandSpatialCropd,
-    ScaleIntensityd,
-)
-from monai.utils import set_determinism
-
-import lsn_ext
 
 KEYS = ("image", "label")
 # Sizes of the full run and of --quick; a flag given on the command line overrides either.
@@ -77,6 +69,7 @@ QUICK = {
     "steps": 4,
     "samples": 4,
 }
+QUICK_ENV = "LSN_EXT_QUICK"  # "1": --quick's sizes without arguments (documentation builds)
 
 
 def int_at_least(low: int, multiple: int = 1) -> Callable[[str], int]:
@@ -95,6 +88,14 @@ def int_at_least(low: int, multiple: int = 1) -> Callable[[str], int]:
     return parse
 
 
+def quick_from_environment(parser: argparse.ArgumentParser) -> bool:
+    """Whether ``LSN_EXT_QUICK`` asks for the quick sizes (``1``); unset, empty or ``0``: no."""
+    value = os.environ.get(QUICK_ENV, "")
+    if value not in ("", "0", "1"):
+        parser.error(f"{QUICK_ENV} must be 0 or 1 (or unset), got {value!r}")
+    return value == "1"
+
+
 def fill_sizes(args: argparse.Namespace, full: dict, quick: dict) -> argparse.Namespace:
     """The flags left out get ``--quick``'s sizes (with ``--quick``) or the full run's.
 
@@ -104,6 +105,127 @@ def fill_sizes(args: argparse.Namespace, full: dict, quick: dict) -> argparse.Na
         if not hasattr(args, name):
             setattr(args, name, value)
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked before anything runs; ``--quick`` fills only the flags left out."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+    def sized(flag: str, kind: Callable[[str], int], what: str, **kwargs) -> None:
+        """A flag whose default is FULL's or QUICK's entry, filled in by fill_sizes."""
+        name = flag[2:].replace("-", "_")
+        full, quick = (
+            " ".join(map(str, v)) if isinstance(v, tuple) else v for v in (FULL[name], QUICK[name])
+        )
+        parser.add_argument(
+            flag,
+            type=kind,
+            default=argparse.SUPPRESS,
+            help=f"{what} (default {full}; --quick: {quick})",
+            **kwargs,
+        )
+
+    parser.add_argument("--out", type=Path, default=Path("examples_out/monai_3d"))
+    sized("--cases", int_at_least(1), "training volumes")
+    sized("--size", int_at_least(1), "edge of the training volumes")
+    sized("--crop", int_at_least(1), "training crop = sliding window, at most --size")
+    sized("--test-size", int_at_least(1), "test volume D H W", nargs=3)
+    sized("--features", int_at_least(1), "BasicUNet features", nargs=6)
+    sized("--steps", int_at_least(1), "training steps")
+    parser.add_argument("--batch", type=int_at_least(1), default=2)
+    sized("--samples", int_at_least(2), "posterior samples")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=f"tiny volumes and few steps (for tests; also {QUICK_ENV}=1)",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    args.quick = getattr(args, "quick", False) or quick_from_environment(parser)
+    args = fill_sizes(args, FULL, QUICK)
+    if args.crop > args.size:
+        parser.error(
+            f"--crop {args.crop} exceeds --size {args.size}: the training crops are cut from "
+            "the training volumes"
+        )
+    return args
+
+
+class Steps:
+    """Prints each step when it starts (``[k/n] what``) and its wall-clock seconds when it ends."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str, what: str) -> Iterator[None]:
+        """One step, timed as ``seconds[name]``."""
+        number = len(self.seconds) + 1
+        print(f"[{number}/{self.total}] {what}", flush=True)
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+        print(f"[{number}/{self.total}] done in {self.seconds[name]:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before the imports below: --help and bad flags answer without torch
+
+import itertools
+import json
+import warnings
+
+import matplotlib.pyplot as plt
+import nibabel as nib
+import numpy as np
+import torch
+import torch.nn.functional as F
+from matplotlib.colors import ListedColormap
+from monai.data import DataLoader, Dataset, MetaTensor
+from monai.losses import DiceCELoss
+from monai.metrics import DiceMetric
+from monai.networks.nets import BasicUNet
+from monai.networks.utils import one_hot
+from monai.transforms import (
+    CastToTyped,
+    Compose,
+    EnsureChannelFirstd,
+    LoadImaged,
+    RandFlipd,
+    RandSpatialCropd,
+    SaveImage,
+    ScaleIntensityd,
+)
+from monai.utils import set_determinism
+from tqdm.auto import tqdm
+
+# lsn_ext before laplace-torch: importing an lsn_ext name that needs laplace-torch (DiagBackprop)
+# imports laplace-torch through lsn_ext, which explains a torchvision that does not match torch
+# and silences only asdl's `torch.jit.script` deprecation warning. (`import lsn_ext` alone is
+# lazy and imports nothing yet.)
+from lsn_ext import DiagBackprop, SelectInput, SlidingWindow, predict
+
+# isort: split
+from laplace import Laplace
+
+# Voxel-to-world transform (mm) of the synthetic scans: 0.8 × 0.8 × 1.5 mm voxels, the first two
+# axes flipped and the origin away from 0, as a CT series may be stored. LoadImaged keeps it in
+# each MetaTensor's `affine`, and SaveImage writes the maps with the test image's.
+AFFINE = np.array(
+    [
+        [-0.8, 0.0, 0.0, 60.0],
+        [0.0, -0.8, 0.0, 40.0],
+        [0.0, 0.0, 1.5, -90.0],
+        [0.0, 0.0, 0.0, 1.0],
+    ]
+)
+LABEL_COLOURS = ListedColormap(["black", "tab:orange"])
 
 
 def synthetic_case(shape: tuple[int, int, int], rng: np.random.Generator):
@@ -127,8 +249,8 @@ def synthetic_case(shape: tuple[int, int, int], rng: np.random.Generator):
 
 
 def write_nifti(array: np.ndarray, path: Path) -> Path:
-    """Save a ``[D, H, W]`` array with 1 mm isotropic voxels."""
-    nib.save(nib.Nifti1Image(array, np.eye(4)), path)
+    """Save a ``[D, H, W]`` array on the voxel grid of :data:`AFFINE`."""
+    nib.save(nib.Nifti1Image(array, AFFINE), path)
     return path
 
 
@@ -173,138 +295,163 @@ def boundary(label: torch.Tensor) -> torch.Tensor:
     return (dilated != eroded)[0, 0]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, checked before anything runs; ``--quick`` fills only the flags left out."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+def figure(panels: dict[str, tuple[torch.Tensor, dict]], affine, title: str) -> plt.Figure:
+    """The middle slice across the last axis of each ``[D, H, W]`` volume, with its colorbar.
+
+    ``panels``: title → (volume, ``imshow`` options). The pixels have the voxels' aspect ratio
+    (the spacings of the first two axes, from ``affine``).
+    """
+    spacing = np.linalg.norm(np.asarray(affine)[:3, :3], axis=0)
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(2.4 * len(panels), 3.3), layout="constrained", squeeze=False
     )
-
-    def sized(flag: str, kind: Callable[[str], int], what: str, **kwargs) -> None:
-        """A flag whose default is FULL's or QUICK's entry, filled in by fill_sizes."""
-        name = flag[2:].replace("-", "_")
-        full, quick = (
-            " ".join(map(str, v)) if isinstance(v, tuple) else v for v in (FULL[name], QUICK[name])
-        )
-        parser.add_argument(
-            flag,
-            type=kind,
-            default=argparse.SUPPRESS,
-            help=f"{what} (default {full}; --quick: {quick})",
-            **kwargs,
-        )
-
-    parser.add_argument("--out", type=Path, default=Path("examples_out/monai_3d"))
-    sized("--cases", int_at_least(1), "training volumes")
-    sized("--size", int_at_least(1), "edge of the training volumes")
-    sized("--crop", int_at_least(1), "training crop = sliding window, at most --size")
-    sized("--test-size", int_at_least(1), "test volume D H W", nargs=3)
-    sized("--features", int_at_least(1), "BasicUNet features", nargs=6)
-    sized("--steps", int_at_least(1), "training steps")
-    parser.add_argument("--batch", type=int_at_least(1), default=2)
-    sized("--samples", int_at_least(2), "posterior samples")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--quick", action="store_true", help="tiny volumes and few steps (for tests)"
-    )
-    args = fill_sizes(parser.parse_args(argv), FULL, QUICK)
-    if args.crop > args.size:
-        parser.error(
-            f"--crop {args.crop} exceeds --size {args.size}: the training crops are cut from "
-            "the training volumes"
-        )
-    return args
+    for ax, (name, (volume, style)) in zip(axes[0], panels.items(), strict=True):
+        middle = volume[..., volume.shape[-1] // 2].numpy()
+        shown = ax.imshow(middle, aspect=spacing[0] / spacing[1], interpolation="nearest", **style)
+        ax.set_title(name, fontsize=9)
+        ax.set_axis_off()
+        bar = fig.colorbar(shown, ax=ax, orientation="horizontal", shrink=0.9)
+        bar.ax.tick_params(labelsize=7)
+        if style.get("cmap") is LABEL_COLOURS:
+            bar.set_ticks([0, 1], labels=["background", "foreground"])
+    fig.suptitle(title, fontsize=9)
+    return fig
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(args: argparse.Namespace) -> dict:
     """Run the pipeline; return the summary that is also written to ``summary.json``."""
-    args = parse_args(argv)
     torch.set_default_dtype(torch.float32)
     set_determinism(seed=args.seed)
-    warnings.filterwarnings("ignore", category=UserWarning)  # laplace-torch's notes
+    plt.switch_backend("Agg")  # files only, no display needed
     args.out.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    steps, progress = Steps(6), not args.no_progress
 
     # 1-2. NIfTI cases, dictionary transforms, MONAI Dataset and DataLoader.
-    cases = write_cases(args.out / "data", args.cases, (args.size,) * 3, args.seed)
-    train_loader = DataLoader(
-        Dataset(cases, transforms(args.crop)), batch_size=args.batch, shuffle=True
-    )
-    fit_loader = DataLoader(Dataset(cases, transforms(None)), batch_size=1)
+    shape = f"{args.size}³"
+    with steps("data", f"data: {args.cases} training cases of {shape} voxels as NIfTI"):
+        cases = write_cases(args.out / "data", args.cases, (args.size,) * 3, args.seed)
+        train_loader = DataLoader(
+            Dataset(cases, transforms(args.crop)), batch_size=args.batch, shuffle=True
+        )
+        fit_loader = DataLoader(Dataset(cases, transforms(None)), batch_size=1)
 
     # 3. BasicUNet, DiceCE, Adam on random crops.
-    net = BasicUNet(spatial_dims=3, in_channels=1, out_channels=2, features=args.features)
-    optimiser = torch.optim.Adam(net.parameters(), lr=1e-2)
-    loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
-    net.train()
-    step, losses = 0, []
-    while step < args.steps:
-        for batch in train_loader:
+    with steps("train", f"train: BasicUNet, {args.steps} steps on {args.crop}³ crops, DiceCE"):
+        net = BasicUNet(spatial_dims=3, in_channels=1, out_channels=2, features=args.features)
+        optimiser = torch.optim.Adam(net.parameters(), lr=1e-2)
+        loss_fn = DiceCELoss(to_onehot_y=True, softmax=True)
+        net.train()
+        batches = (batch for _ in itertools.count() for batch in train_loader)
+        losses = []
+        bar = tqdm(range(args.steps), desc="train", unit="step", disable=not progress)
+        for _ in bar:
+            batch = next(batches)
             optimiser.zero_grad()
             loss = loss_fn(net(batch["image"]), batch["label"])
             loss.backward()
             optimiser.step()
             losses.append(loss.item())
-            step += 1
-            if step == args.steps:
-                break
-    t_train = time.perf_counter() - start
-    print(f"trained {args.steps} steps on {args.crop}³ crops: DiceCE {losses[0]:.3f}", end="")
-    print(f" -> {losses[-1]:.3f}")
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        print(f"trained {args.steps} steps on {args.crop}³ crops: DiceCE {losses[0]:.3f}", end="")
+        print(f" -> {losses[-1]:.3f}")
 
     # 4. Laplace over all weights, DiagBackprop curvature, marginal-likelihood prior.
-    net.eval()
-    la = Laplace(
-        lsn_ext.SelectInput(net, "image"),
-        "classification",
-        subset_of_weights="all",
-        hessian_structure="diag",
-        backend=lsn_ext.DiagBackprop,
-        dict_key_x="image",
-        dict_key_y="label",
-    )
-    la.fit(fit_loader)
-    la.optimize_prior_precision(method="marglik", prior_structure="scalar")
-    prior = la.prior_precision.item()
-    t_laplace = time.perf_counter() - start - t_train
-    print(f"Laplace on {la.n_params} weights, marglik prior precision {prior:.4g}")
+    with steps("laplace", "Laplace: GGN diagonal (DiagBackprop), marglik prior precision"):
+        net.eval()
+        la = Laplace(
+            SelectInput(net, "image"),
+            "classification",
+            subset_of_weights="all",
+            hessian_structure="diag",
+            backend=DiagBackprop,
+            dict_key_x="image",
+            dict_key_y="label",
+        )
+        la.fit(fit_loader, progress_bar=progress)
+        with warnings.catch_warnings():
+            # laplace-torch reminds that its own `la(x)` defaults to link_approx="probit"; this
+            # example predicts with lsn_ext's predict, which takes the link approximation itself.
+            warnings.filterwarnings(
+                "ignore",
+                message=r"By default `link_approx` is `probit`",
+                category=UserWarning,
+                module=r"laplace\.baselaplace",
+            )
+            la.optimize_prior_precision(
+                method="marglik", prior_structure="scalar", progress_bar=progress
+            )
+        prior = la.prior_precision.item()
+        print(f"Laplace on {la.n_params} weights, marglik prior precision {prior:.4g}")
 
     # 5. Sliding-window uncertainty maps of a larger test volume.
-    test_image, test_label = synthetic_case(tuple(args.test_size), np.random.default_rng(10**6))
-    test = transforms(None)(
-        {
-            "image": str(write_nifti(test_image, args.out / "test_image.nii.gz")),
-            "label": str(write_nifti(test_label, args.out / "test_label.nii.gz")),
-        }
-    )
-    window = lsn_ext.SlidingWindow((args.crop,) * 3, overlap=0.25, sw_batch_size=4)
-    maps = lsn_ext.predict(
-        la,
-        test["image"][None],
-        args.samples,
-        window=window,
-        generator=torch.Generator().manual_seed(args.seed),
-    )
-    t_predict = time.perf_counter() - start - t_train - t_laplace
+    test_shape = "×".join(map(str, args.test_size))
+    what = f"test volume {test_shape}, {args.samples} samples, {args.crop}³ windows"
+    with steps("predict", f"predict: {what}"):
+        test_image, test_label = synthetic_case(tuple(args.test_size), np.random.default_rng(10**6))
+        test = transforms(None)(
+            {
+                "image": str(write_nifti(test_image, args.out / "test_image.nii.gz")),
+                "label": str(write_nifti(test_label, args.out / "test_label.nii.gz")),
+            }
+        )
+        window = SlidingWindow((args.crop,) * 3, overlap=0.25, sw_batch_size=4)
+        maps = predict(
+            la,
+            test["image"][None],
+            args.samples,
+            window=window,
+            generator=torch.Generator().manual_seed(args.seed),
+            progress_bar=progress,
+        )
 
     label = test["label"][0].as_tensor()
+    pred = maps.mean[0].argmax(0)
+    with steps("score", "score: MONAI's DiceMetric (foreground), entropy and MI by region"):
+        dice_metric = DiceMetric(include_background=False, reduction="mean")
+        dice_metric(y_pred=one_hot(pred[None, None], 2), y=one_hot(label[None, None], 2))
+        dice = dice_metric.aggregate().item()
+        regions = {
+            "inside": (label == 1) & ~boundary(label),
+            "outside": (label == 0) & ~boundary(label),
+            "boundary": boundary(label),
+        }
+
     volumes = {
         "prob_foreground": maps.mean[0, 1],
         "variance_foreground": maps.variance[0, 1],
         "entropy": maps.entropy[0],
         "mutual_information": maps.mutual_information[0],
     }
-    files = {
-        name: str(write_nifti(v.numpy().astype(np.float32), args.out / f"{name}.nii.gz"))
-        for name, v in volumes.items()
-    }
-    pred = maps.mean[0].argmax(0)
-    dice = (2 * (pred * label).sum() / (pred.sum() + label.sum()).clamp_min(1)).item()
-    regions = {
-        "inside": (label == 1) & ~boundary(label),
-        "outside": (label == 0) & ~boundary(label),
-        "boundary": boundary(label),
-    }
+    png = args.out / "uncertainty.png"
+    with steps("write", f"write: the maps with SaveImage (test image's affine), {png.name}"):
+        files = {}
+        for name, volume in volumes.items():
+            # The test image's metadata (affine, source file) travels with each map.
+            saver = SaveImage(
+                output_dir=args.out,
+                output_postfix=name,
+                output_dtype=np.float32,
+                resample=False,
+                separate_folder=False,
+                print_log=False,
+                savepath_in_metadict=True,
+            )
+            saved = saver(MetaTensor(volume[None], meta=test["image"].meta))
+            files[name] = saved.meta["saved_to"]
+        binary = {"cmap": LABEL_COLOURS, "vmin": -0.5, "vmax": 1.5}
+        panels = {
+            "image": (test["image"][0].as_tensor(), {"cmap": "gray"}),
+            "ground truth": (label, binary),
+            "prediction": (pred, binary),
+            "P(foreground)": (volumes["prob_foreground"], {"vmin": 0, "vmax": 1}),
+            "predictive entropy (nats)": (volumes["entropy"], {"vmin": 0, "vmax": np.log(2)}),
+            "mutual information (nats)": (volumes["mutual_information"], {"vmin": 0}),
+        }
+        title = f"test volume {test_shape}, middle slice across the last axis; Dice {dice:.3f}"
+        fig = figure(panels, test["image"].affine, title)
+        fig.savefig(png, dpi=80)
+        plt.close(fig)
+
     summary = {
         "test_shape": list(args.test_size),
         "dice": dice,
@@ -316,8 +463,8 @@ def main(argv: list[str] | None = None) -> dict:
             k: maps.mutual_information[0][m].mean().item() for k, m in regions.items()
         },
         "voxels": {k: int(m.sum()) for k, m in regions.items()},
-        "files": files,
-        "seconds": {"train": t_train, "laplace": t_laplace, "predict": t_predict},
+        "files": {"maps": files, "figure": str(png)},
+        "seconds": steps.seconds,
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
 
@@ -328,10 +475,10 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("entropy", "mutual_information"):
         parts = "  ".join(f"{k} {v:.4f}" for k, v in summary[name].items())
         print(f"mean {name:18s} {parts}")
-    print(f"time: train {t_train:.1f} s, Laplace {t_laplace:.1f} s, predict {t_predict:.1f} s")
-    print(f"maps and summary.json in {args.out}")
+    print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in steps.seconds.items()))
+    print(f"figure {png}; maps and summary.json in {args.out}")
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -1,11 +1,15 @@
-"""The command lines of ``examples/`` and of ``lsn-ext demo``: checked before any work, and an
-explicitly given flag is never silently replaced by ``--quick``'s sizes.
+"""The command lines of ``examples/`` and of ``lsn-ext demo``: checked before any work (the
+examples' before torch is imported), and an explicitly given flag is never silently replaced by
+``--quick``'s sizes (nor by ``LSN_EXT_QUICK=1``'s).
 
 The examples' ``parse_args`` run in this process (no training); their full runs are in
 ``tests/test_examples.py``.
 """
 
 import importlib.util
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +18,13 @@ import pytest
 from lsn_ext.__main__ import main as cli
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NAMES = sorted(p.stem for p in EXAMPLES.glob("*.py"))
+
+
+@pytest.fixture(autouse=True)
+def _no_quick_environment(monkeypatch):
+    """The full sizes unless a test asks for ``LSN_EXT_QUICK``."""
+    monkeypatch.delenv("LSN_EXT_QUICK", raising=False)
 
 
 def _example(name: str):
@@ -118,3 +129,67 @@ def test_demo_refuses_a_flag_that_quick_would_replace(argv, message, capsys):
         cli(["demo", "--quick", *argv])
     assert message in capsys.readouterr().err
     assert time.process_time() - start < 5  # refused up front, not after the training
+
+
+@pytest.mark.parametrize("name", ["backpack_quickstart", "laplace_quickstart", "monai_3d"])
+def test_quick_environment_variable_selects_the_quick_sizes(name, monkeypatch):
+    """``LSN_EXT_QUICK=1``: a runner without arguments (the docs gallery) gets the quick sizes."""
+    module = _example(name)
+    monkeypatch.setenv("LSN_EXT_QUICK", "1")
+    args = vars(module.parse_args([]))
+    assert args["quick"] is True
+    assert {k: args[k] for k in module.QUICK} == module.QUICK
+    monkeypatch.setenv("LSN_EXT_QUICK", "0")
+    args = vars(module.parse_args([]))
+    assert args["quick"] is False
+    assert {k: args[k] for k in module.FULL} == module.FULL
+
+
+def test_quick_environment_variable_refuses_other_values(monkeypatch, capsys):
+    monkeypatch.setenv("LSN_EXT_QUICK", "yes")
+    with pytest.raises(SystemExit) as exit_info:
+        _example("laplace_quickstart").parse_args([])
+    assert exit_info.value.code == 2
+    assert "LSN_EXT_QUICK must be 0 or 1 (or unset), got 'yes'" in capsys.readouterr().err
+
+
+HEAVY = ("torch", "numpy", "matplotlib", "lsn_ext", "laplace", "backpack", "monai", "nibabel")
+
+
+def _run_without_heavy_imports(name: str, argv: list[str]) -> subprocess.CompletedProcess:
+    """``python -X importtime examples/<name>.py *argv``; fails if it imported a heavy module."""
+    env = {k: v for k, v in os.environ.items() if k != "LSN_EXT_QUICK"}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", str(EXAMPLES / f"{name}.py"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
+    # -X importtime: one line per imported module, "import time: self | cumulative | name"
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
+    assert "argparse" in imported  # the listing was read
+    heavy = sorted(m for m in imported if m.split(".")[0] in HEAVY)
+    assert not heavy, f"{name} {' '.join(argv)} imported {heavy[:5]}"
+    return done
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_help_answers_without_importing_torch(name):
+    done = _run_without_heavy_imports(name, ["--help"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage:")
+    assert "--quick" in done.stdout
+    assert "LSN_EXT_QUICK=1" in done.stdout
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_bad_flag_is_refused_without_importing_torch(name):
+    done = _run_without_heavy_imports(name, ["--seed", "one"])
+    assert done.returncode == 2
+    assert "argument --seed: invalid int value: 'one'" in done.stderr

@@ -1,5 +1,6 @@
 """``examples/``: each script runs at its ``--quick`` sizes as a user runs it (a subprocess,
-float32) and writes the maps, figures and numbers it promises."""
+float32) and writes the maps, figures and numbers it promises; it prints every step with its
+time, shows its progress bars on stderr and lets no warning through."""
 
 import json
 import math
@@ -20,10 +21,13 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NUMBER = r"[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf)"
 
 
-def run_example(name: str, out: Path) -> tuple[str, dict]:
+def run_example(name: str, out: Path, steps: int, bars: tuple[str, ...]) -> tuple[str, dict]:
     """Run ``examples/<name>.py --quick --out out``; its stdout and ``summary.json``.
 
-    The CPU time of the child is bounded (wall-clock time depends on what else runs).
+    The CPU time of the child is bounded (wall-clock time depends on what else runs). Its stdout
+    names ``steps`` steps, each with its time, in order; its stderr holds the progress ``bars``,
+    each run to the end, and no warning (the examples filter only the upstream warnings they
+    name).
     """
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
     done = subprocess.run(
@@ -37,7 +41,19 @@ def run_example(name: str, out: Path) -> tuple[str, dict]:
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - before
     assert done.returncode == 0, done.stderr[-3000:]
     assert cpu < 60, f"{name} --quick took {cpu:.0f} s of CPU time"
-    return done.stdout, json.loads((out / "summary.json").read_text())
+    started = re.findall(rf"^\[(\d+)/{steps}\] (?!done in)\S", done.stdout, re.MULTILINE)
+    ended = re.findall(rf"^\[(\d+)/{steps}\] done in {NUMBER} s$", done.stdout, re.MULTILINE)
+    assert started == ended == [str(k) for k in range(1, steps + 1)], done.stdout
+    for bar in bars:
+        assert re.search(rf"{re.escape(bar)}: 100%", done.stderr), (bar, done.stderr[-2000:])
+    assert "Warning" not in done.stderr, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["seconds"]) == steps  # each step's wall-clock seconds
+    assert all(v >= 0 for v in summary["seconds"].values())
+    return done.stdout, summary
+
+
+LAPLACE_BARS = ("train", "[Computing Hessian]", "[Optimizing marginal likelihood]")
 
 
 def printed(stdout: str, prefix: str) -> list[float]:
@@ -49,7 +65,9 @@ def printed(stdout: str, prefix: str) -> list[float]:
 
 def test_laplace_quickstart(tmp_path):
     out = tmp_path / "quickstart"
-    stdout, summary = run_example("laplace_quickstart", out)
+    stdout, summary = run_example(
+        "laplace_quickstart", out, 5, (*LAPLACE_BARS, "predict: posterior draws")
+    )
     maps = np.load(out / "maps.npz")
     assert maps["image"].shape == (4, 1, 32, 32)
     assert maps["mean"].shape == maps["variance"].shape == (4, 3, 32, 32)
@@ -86,7 +104,7 @@ def _boundary(labels: np.ndarray) -> np.ndarray:
 
 def test_backpack_quickstart(tmp_path):
     out = tmp_path / "backpack"
-    stdout, summary = run_example("backpack_quickstart", out)
+    stdout, summary = run_example("backpack_quickstart", out, 4, ())
     saved = torch.load(out / "diagonals.pt")
     for part, ref in (("plain", "exact"), ("unet", "exact")):
         exact = saved[part][ref]
@@ -108,15 +126,18 @@ def test_backpack_quickstart(tmp_path):
     assert summary["unet"]["DB"]["trace_ratio"]["encoders.1.0.bias"] != pytest.approx(1, rel=0.01)
     assert "max relative difference" in stdout
     assert len(printed(stdout, "relative error over all weights:")) == 4
+    image = matplotlib.image.imread(summary["files"]["figure"])
+    assert image.shape[0] > 200
 
 
 def test_monai_3d(tmp_path):
     pytest.importorskip("monai", reason="examples/monai_3d.py needs monai")
     nib = pytest.importorskip("nibabel", reason="examples/monai_3d.py writes NIfTI with nibabel")
     out = tmp_path / "monai"
-    stdout, summary = run_example("monai_3d", out)
+    stdout, summary = run_example("monai_3d", out, 6, (*LAPLACE_BARS, "predict: posterior draws"))
     assert summary["test_shape"] == [32, 32, 48]
-    volumes = {k: np.asarray(nib.load(p).dataobj) for k, p in summary["files"].items()}
+    maps = {k: nib.load(p) for k, p in summary["files"]["maps"].items()}
+    volumes = {k: np.asarray(m.dataobj) for k, m in maps.items()}
     assert set(volumes) == {
         "prob_foreground",
         "variance_foreground",
@@ -124,7 +145,12 @@ def test_monai_3d(tmp_path):
         "mutual_information",
     }
     label = np.asarray(nib.load(out / "test_label.nii.gz").dataobj)
-    image = np.asarray(nib.load(out / "test_image.nii.gz").dataobj)
+    scan = nib.load(out / "test_image.nii.gz")
+    image = np.asarray(scan.dataobj)
+    # SaveImage wrote every map with the scan's affine (anisotropic, flipped, shifted), not eye(4)
+    assert not np.allclose(scan.affine, np.eye(4))
+    for name, written in maps.items():
+        np.testing.assert_allclose(written.affine, scan.affine, rtol=0, atol=1e-6, err_msg=name)
     assert label.shape == image.shape == (32, 32, 48)
     assert set(np.unique(label)) == {0, 1}
     for name, v in volumes.items():
@@ -145,6 +171,11 @@ def test_monai_3d(tmp_path):
     assert all(n > 0 for n in summary["voxels"].values())
     assert sum(summary["voxels"].values()) == label.size
     assert 0 <= summary["dice"] <= 1
+    # DiceMetric's foreground Dice, recomputed from the written maps (voxel for voxel on the label)
+    pred = volumes["prob_foreground"] > 0.5
+    dice = 2 * (pred & (label == 1)).sum() / (pred.sum() + (label == 1).sum())
+    assert summary["dice"] == pytest.approx(float(dice), rel=1e-5)
+    assert matplotlib.image.imread(summary["files"]["figure"]).shape[1] > 600
     assert summary["prior_precision"] > 0
     assert printed(stdout, "mean entropy") == pytest.approx(
         list(summary["entropy"].values()), abs=1e-4
