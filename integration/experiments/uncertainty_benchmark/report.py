@@ -20,6 +20,7 @@ from integration.experiments.kit import (
 )
 from integration.experiments.tables import fmt, mean, percentile_bootstrap, table
 from integration.experiments.tables import paired as stats_paired
+from integration.experiments.uncertainty_benchmark import report_more
 from integration.experiments.uncertainty_benchmark.design import (
     ALL_METHODS,
     ENSEMBLE,
@@ -524,6 +525,8 @@ def write_report(
         "logit samples per posterior sample; `nn`: the network at sampled weights, `glm`: "
         "its linearisation.",
     ]
+    if rep.more:
+        intro.append(report_more.description(rep))
     for d in datasets:
         data, n_id = load_converged(d, b)
         intro.append(f"- {d}: {data.notes}; the first {min(n_id, b.n_test)} (clean) test images.")
@@ -594,7 +597,25 @@ def write_report(
     sections.append(
         "## Table 2 re-answered: Box Ratio with converged networks\n\n" + _section_box(rep)
     )
+    if rep.more:
+        sections.append(
+            "## Beyond the diagonal: against the MAP's entropy and the ensemble\n\n"
+            "Paired per-seed differences (as above) on the measures of issue 39's goal: the pixel "
+            "AUROC on the shifted images and the image AURC (fg score) on the clean ones, and the "
+            "AURC on the shifted images.\n\n"
+            + "\n\n".join(report_more.section_question(rep, d) for d in datasets)
+        )
     sections.append("## Training and cost\n\n" + _section_training(rep))
+    if rep.more:
+        sections.append(
+            "## Cost per method\n\n"
+            + report_more.section_cost(rep)
+            + "\n"
+            + report_more.section_priors(rep)
+            + "\n\nPriors of the rows beyond the diagonal: validation-NLL grid "
+            f"10^{b.prior_exponents[0]}…10^{b.prior_exponents[-1]} of the predictive used "
+            "(marglik rows: laplace-torch's scalar marginal likelihood, no grid).\n"
+        )
     risk_coverage_figure(rep, out / "uncertainty_risk_coverage.png")
     write_csv(rep, out / "uncertainty_per_seed.csv")
     path = out / "uncertainty.md"

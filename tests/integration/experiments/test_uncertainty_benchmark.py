@@ -23,7 +23,9 @@ SECTIONS = (
     "## Shift detection and failure detection under shift",
     "## Paired differences against MAP entropy and Ensemble (5)",
     "## Table 2 re-answered: Box Ratio",
+    "## Beyond the diagonal: against the MAP's entropy and the ensemble",
     "## Training and cost",
+    "## Cost per method",
 )
 
 
@@ -36,7 +38,7 @@ def test_quick_run_reports_every_method_and_section(quick_report):
     for section in text.split("\n## ")[1:5]:
         for dataset in ("lesions", "nuclei"):
             body = section.split(f"### {dataset}")[1].split("\n### ")[0]
-            for name in design.METHODS:
+            for name in design.ALL_METHODS:
                 assert re.search(rf"^\| {re.escape(name)} \| ", body, re.M), (name, dataset)
     shift = text.split("## Shift detection")[1].split("\n## ")[0]
     for dataset in ("lesions", "nuclei"):
@@ -52,15 +54,24 @@ def test_quick_run_reports_every_method_and_section(quick_report):
     for kind in ("blur", "contrast", "noise", "intensity"):
         assert f"shift AUROC: {kind}" in shift
     box = text.split("## Table 2 re-answered")[1].split("\n## ")[0]
-    for name in design.METHODS[1:]:
+    for name in design.ALL_METHODS[1:]:
         assert f"| {name} | " in box
+    question = text.split("## Beyond the diagonal")[1].split("\n## ")[0]
+    for name in (*design.MORE_LAPLACE, design.MIXTURE, design.TTA, design.LSN_DEMO):
+        assert re.search(rf"^\| {re.escape(name)} \| [+-]\d", question, re.M), name
+    cost = text.split("## Cost per method")[1]
+    for name in (*design.ALL_METHODS[:3], *design.MORE_METHODS):
+        for dataset in ("lesions", "nuclei"):
+            row = re.search(rf"^\| {dataset}: {re.escape(name)} \| (.*)$", cost, re.M)
+            assert row, (dataset, name)
+            assert "nan" not in row.group(1), (dataset, name)
     assert (out / "uncertainty_risk_coverage.png").stat().st_size > 1000
     with (out / "uncertainty_per_seed.csv").open() as f:
         rows = list(csv.DictReader(f))
     keys = [(r["dataset"], r["seed"], r["method"]) for r in rows]
     methods = {
-        "lesions": (*design.METHODS, design.IMAGE_STATS),
-        "nuclei": (*design.METHODS, design.IMAGE_STATS, design.IMAGE_STATS_RAW),
+        "lesions": (*design.ALL_METHODS, design.IMAGE_STATS),
+        "nuclei": (*design.ALL_METHODS, design.IMAGE_STATS, design.IMAGE_STATS_RAW),
     }
     expected = [(d, str(s), m) for d in methods for s in (0, 1) for m in methods[d]]
     assert sorted(keys) == sorted(expected)
