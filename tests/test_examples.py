@@ -35,7 +35,7 @@ def run_example(name: str, out: Path, steps: int, bars: tuple[str, ...]) -> tupl
         cwd=out.parent,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,  # a hang guard only: on a loaded machine monai_3d took 631 s for 36 s of CPU
         check=False,
     )
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - before
