@@ -256,17 +256,22 @@ class _Layer:
         if self.weight is not None:
             p = self.module.weight
             R, D = p.shape[0], p[0].numel()
-            F0 = self.totals.get("rows", like.new_zeros(R, R))
-            F1 = self.totals.get("cols", like.new_zeros(D, D))
+            F0 = self._total("rows", R, like)
             F0 = F0 if self.transposed else F0 / draws
-            F1 = F1 / draws if self.transposed else F1
             scale = self.groups * N * (T if self.mode == "expand" else T * T)
-            out[self.weight] = [F0, F1 / scale]
+            # in place: F_1 (up to [C_in·∏k]², large) is this layer's own sum
+            F1 = self._total("cols", D, like).div_(scale * draws if self.transposed else scale)
+            out[self.weight] = [F0, F1]
         if self.bias is not None:
             C = self.module.bias.shape[0]
             key = "rows" if self.bias_from_rows else "bias"
-            out[self.bias] = [self.totals.get(key, like.new_zeros(C, C)) / draws]
+            out[self.bias] = [self._total(key, C, like) / draws]  # may share F0's total
         return out
+
+    def _total(self, key: str, size: int, like: Tensor) -> Tensor:
+        """The collected moment ``key``, or zeros ``[size, size]`` if nothing was collected."""
+        total = self.totals.get(key)
+        return like.new_zeros(size, size) if total is None else total
 
 
 @dataclass
