@@ -168,9 +168,14 @@ def reset_peak() -> bool:
     return hwm is not None and hwm <= rss_bytes() + 2**20
 
 
-def paper_unet() -> nn.Module:
-    """The LSN paper's U-Net: 3 → 1 channels, widths 8-16-32-64-128, two 3×3 convs + tanh."""
-    return UNet(3, 1, widths=(8, 16, 32, 64, 128), activation=nn.Tanh, convs_per_block=2)
+def paper_unet(out_channels: int = 1) -> nn.Module:
+    """The LSN paper's U-Net: 3 → 1 channels, widths 8-16-32-64-128, two 3×3 convs + tanh.
+
+    Conv2d, max pooling, nearest upsampling and concatenating skips (the network where
+    laplace-torch + curvlinops ``kron`` also run). ``out_channels=2``: the same network with
+    two output channels, for cross-entropy.
+    """
+    return UNet(3, out_channels, widths=(8, 16, 32, 64, 128), activation=nn.Tanh, convs_per_block=2)
 
 
 def random_batch(batch: int, size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

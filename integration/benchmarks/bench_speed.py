@@ -1,4 +1,4 @@
-"""Speed and memory of GGN-diagonal estimators relative to a training step, in one process.
+"""Speed and memory of GGN-diagonal estimators and of Kron fits relative to a training step.
 
 Run from the repository root::
 
@@ -8,6 +8,7 @@ Run from the repository root::
     ./dev bench speed --parts time --cases unet:256:32  # other networks, sizes, batches
     ./dev bench speed --device cuda --out integration/results/bench_speed_cuda.md  # on a GPU
     ./dev bench speed --threads 1              # the committed run (a busy 2-core CPU)
+    ./dev bench speed --parts kron-time kron-memory  # only the Kron fits
 
 **Time.** For each network the methods run on the same model and batch (float32, random init,
 seed 0): a training step (forward + summed loss + backward + ``torch.optim.Adam`` step),
@@ -40,6 +41,20 @@ counter (VmHWM) is reset through ``/proc/self/clear_refs`` and the peak is VmHWM
 minus the RSS before it (glibc set to return freed memory, so that the RSS follows the live
 tensors; ``harness.MALLOC_ENV``); on CUDA ``torch.cuda.max_memory_allocated`` minus
 ``memory_allocated`` before the call.
+
+**Kron fits** (issue 39, item 6; parts ``kron-time`` and ``kron-memory``). On the same batch
+beside a training step, as above (alternated, paired ratios; wall clock and the process's CPU
+time): ``DiagBackprop(model, "classification", loss=..., kron_mode=...,
+kron_position_fraction=...).kron(x, y, N=batch)`` (lsn_ext's KFAC over all weights, one
+Monte-Carlo draw of ``G``; expand with every position, expand with a fraction
+``KRON_FRACTIONS`` of them, reduce) and laplace-torch + curvlinops
+``CurvlinopsGGN(model, "classification", stochastic=False | True).kron(x, y, N=batch)``.
+Networks: the paper U-Net at 64², batch 8, BCE (where laplace-torch, which has no Bernoulli
+likelihood, is not run), the same network with two output channels and cross-entropy (Conv2d,
+max pooling, nearest upsampling and ``cat``: where curvlinops' KFAC runs), and MONAI's
+BasicUNet 3-D at 64³, batch 1 (curvlinops refuses its 3-D convolutions; the row gives the
+error). Peak memory per call as above, one fresh process per cell. Targets: a Kron fit ≤ 2 × a
+training step per batch, its peak memory ≤ 1.5 × the step's.
 
 Targets (issue 28), printed beside the measured ratios: MC(1) ≤ 1.3 × a step on the paper's
 U-Net at 64² and 128², ≤ 1.6 × on BasicUNet 2-D 128² and 3-D 64³; DB ≤ 1.1 × at 64²; peak memory
@@ -94,6 +109,7 @@ METHODS = {
 MEMORY_METHODS = ("train", "db", "mc")
 NETWORKS = {
     "unet": "paper U-Net",
+    "unet_ce": "paper U-Net, 2 classes (CE)",
     "basicunet2d": "MONAI BasicUNet 2-D",
     "basicunet3d": "MONAI BasicUNet 3-D",
 }
@@ -115,6 +131,27 @@ TIME_TARGETS = {
 }
 MEMORY_TARGET = 1.25  # DB and MC(1), 3-D BasicUNet at 64³, 96³, 128³
 
+KRON_FRACTIONS = (1 / 8, 1 / 32)  # position_fraction of the sampled KFAC-expand rows
+KRON_METHODS = {
+    "train": "training step",
+    "kron_expand": "lsn_ext Kron, expand",
+    **{
+        f"kron_expand_{round(1 / f)}": f"lsn_ext Kron, expand, position_fraction=1/{round(1 / f)}"
+        for f in KRON_FRACTIONS
+    },
+    "kron_reduce": "lsn_ext Kron, reduce",
+    "curvlinops_kron": "laplace-torch + curvlinops kron (type-2, its default)",
+    "curvlinops_kron_mc": "laplace-torch + curvlinops kron (MC, stochastic=True)",
+}
+# (network, edge length, batch, repetitions, processes)
+KRON_CASES = (("unet", 64, 8, 10, 3), ("unet_ce", 64, 8, 10, 3), ("basicunet3d", 64, 1, 3, 1))
+QUICK_KRON_CASES = (("unet", 32, 2, 2, 1), ("unet_ce", 32, 2, 2, 1), ("basicunet3d", 32, 1, 2, 1))
+KRON_MEMORY_CASES = (("unet", 64, 8), ("unet_ce", 64, 8), ("basicunet3d", 64, 1))
+QUICK_KRON_MEMORY_CASES = (("unet_ce", 32, 2),)
+KRON_TIME_TARGET = 2.0  # a Kron fit per batch, × a training step (issue 39, item 6)
+KRON_MEMORY_TARGET = 1.5  # its peak memory, × a training step's
+KRON_SLOW_REPS = 3  # at least this many repetitions of every Kron method
+
 
 @dataclass(frozen=True)
 class Case:
@@ -125,6 +162,7 @@ class Case:
     batch: int
     quick: bool
     device: str
+    part: str = "diag"  # "diag": GGN diagonals (METHODS); "kron": Kron fits (KRON_METHODS)
 
     @property
     def label(self) -> str:
@@ -135,6 +173,11 @@ class Case:
     def loss(self) -> str:
         return "bce" if self.net == "unet" else "ce"
 
+    @property
+    def methods(self) -> dict[str, str]:
+        """The methods of this case's part: the GGN diagonals or the Kron fits."""
+        return KRON_METHODS if self.part == "kron" else METHODS
+
     def loss_module(self) -> nn.Module:
         if self.loss == "bce":
             return nn.BCEWithLogitsLoss(reduction="sum")
@@ -143,9 +186,11 @@ class Case:
     def build(self) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
         """Model (seed 0, eval mode), inputs and targets, on the device, float32."""
         torch.manual_seed(0)
-        if self.net == "unet":
-            model = paper_unet()
+        if self.net in ("unet", "unet_ce"):
+            model = paper_unet(1 if self.net == "unet" else 2)
             x, y = random_batch(self.batch, self.size)
+            if self.net == "unet_ce":  # class indices [N, H, W]
+                y = y[:, 0].long()
         else:
             from monai.networks.nets import BasicUNet
 
@@ -219,6 +264,39 @@ def _curvlinops(model: nn.Module, x, y, case: Case) -> Callable[[], None]:
     return run
 
 
+class NotApplicableError(Exception):
+    """A method that does not apply to a case (the reason is the message)."""
+
+
+def _kron(mode: str, fraction: float = 1.0) -> Callable:
+    def setup(model: nn.Module, x, y, case: Case) -> Callable[[], object]:
+        backend = lsn_ext.DiagBackprop(
+            model,
+            "classification",
+            loss=case.loss,
+            kron_mode=mode,
+            kron_position_fraction=fraction,
+        )
+        return lambda: backend.kron(x, y, N=x.shape[0])
+
+    return setup
+
+
+def _curvlinops_kron(stochastic: bool) -> Callable:
+    def setup(model: nn.Module, x, y, case: Case) -> Callable[[], object]:
+        if case.loss != "ce":
+            raise NotApplicableError(
+                "laplace-torch has no Bernoulli likelihood: its 'classification' backends use "
+                "cross-entropy (see the 2-class row)"
+            )
+        import laplace  # lsn_ext imported it first, with its import warning silenced
+
+        backend = laplace.curvature.CurvlinopsGGN(model, "classification", stochastic=stochastic)
+        return lambda: backend.kron(x, y, N=x.shape[0])
+
+    return setup
+
+
 SETUPS = {
     "train": _train,
     "db": _lsn("db"),
@@ -226,6 +304,11 @@ SETUPS = {
     "backpack_mc": _backpack("DiagGGNMC"),
     "backpack_exact": _backpack("DiagGGNExact"),
     "curvlinops": _curvlinops,
+    "kron_expand": _kron("expand"),
+    **{f"kron_expand_{round(1 / f)}": _kron("expand", f) for f in KRON_FRACTIONS},
+    "kron_reduce": _kron("reduce"),
+    "curvlinops_kron": _curvlinops_kron(stochastic=False),
+    "curvlinops_kron_mc": _curvlinops_kron(stochastic=True),
 }
 
 
@@ -241,12 +324,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn: Callable[[], object], device: str) -> float:
+def _timed(fn: Callable[[], object], device: str) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds (``time.process_time``: all threads) of ``fn()``."""
     _sync(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
     _sync(device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,40 +338,47 @@ def _timed(fn: Callable[[], object], device: str) -> float:
 # --------------------------------------------------------------------------------------------
 
 
+TIMES = ("times", "ratios", "cpu_times", "cpu_ratios")
+
+
 def time_case(case: Case, reps: int, slow_reps: int) -> dict[str, dict]:
-    """Per method: ``{"times": [...], "ratios": [...]}`` or ``{"error": reason}``."""
+    """Per method of the case's part: wall and CPU ``times`` and paired ``ratios`` to the
+    training step (:data:`TIMES`), ``{"error": reason}`` or ``{"skip": reason}``."""
     model, x, y = case.build()
     calls, out = {}, {}
-    for m, setup in SETUPS.items():
+    for m in case.methods:
         stage = "set-up"
         try:
-            call = setup(model, x, y, case)
+            call = SETUPS[m](model, x, y, case)
             stage = "call"
-            warm = _timed(call, case.device)
+            warm = _timed(call, case.device)[0]
+        except NotApplicableError as why:
+            out[m] = {"skip": str(why)}
+            continue
         except Exception as err:
             if m == "train":
                 raise
             out[m] = {"error": f"{stage}: {_reason(err)}"}
-            print(f"  {case.label}: {METHODS[m]} fails: {out[m]['error']}", flush=True)
+            print(f"  {case.label}: {case.methods[m]} fails: {out[m]['error']}", flush=True)
             continue
         calls[m] = call
-        out[m] = {"warmup": warm, "times": []}
+        out[m] = {"warmup": warm, **{k: [] for k in TIMES}}
     n_reps = {
         m: min(reps, slow_reps) if out[m]["warmup"] > SLOW * out["train"]["warmup"] else reps
         for m in calls
     }
-    for m in calls:
-        out[m]["ratios"] = []
     for r in range(reps):
         for m, call in calls.items():
             if m == "train" or r >= n_reps[m]:
                 continue
-            step = _timed(calls["train"], case.device)
-            t = _timed(call, case.device)
-            out["train"]["times"].append(step)
-            out["train"]["ratios"].append(1.0)
-            out[m]["times"].append(t)
-            out[m]["ratios"].append(t / step)
+            step, step_cpu = _timed(calls["train"], case.device)
+            t, cpu = _timed(call, case.device)
+            for who, wall, proc, ratio, cpu_ratio in (
+                ("train", step, step_cpu, 1.0, 1.0),
+                (m, t, cpu, t / step, cpu / step_cpu),
+            ):
+                for key, value in zip(TIMES, (wall, ratio, proc, cpu_ratio), strict=True):
+                    out[who][key].append(value)
     del model, x, y, calls
     gc.collect()
     return out
@@ -303,15 +394,14 @@ def _time_in_processes(case: Case, reps: int, slow_reps: int, processes: int) ->
     runs = [_run_time_worker(case, reps, slow_reps, shown) for _ in range(processes)]
     pooled: dict[str, dict] = {}
     for m in runs[0]:
-        failed = next((run[m] for run in runs if "error" in run[m]), None)
+        failed = next((run[m] for run in runs if "error" in run[m] or "skip" in run[m]), None)
         if failed is not None:
             pooled[m] = failed
             continue
         pooled[m] = {
-            "times": [t for run in runs for t in run[m]["times"]],
-            "ratios": [r for run in runs for r in run[m]["ratios"]],
-            "medians": [statistics.median(run[m]["ratios"]) for run in runs],
+            key: [t for run in runs for t in run[m][key]] for key in TIMES if key in runs[0][m]
         }
+        pooled[m]["medians"] = [statistics.median(run[m]["ratios"]) for run in runs]
     return pooled
 
 
@@ -393,10 +483,18 @@ def time_table(cases: list[tuple[Case, int]], slow_reps: int, processes: int) ->
 
 
 def memory_worker(case: Case, method: str) -> dict:
-    """Peak memory of one call above the baseline, in this fresh process (see the docstring)."""
+    """Peak memory of one call above the baseline, in this fresh process (see the docstring);
+    ``{"skip": reason}`` or ``{"error": reason}`` for a method that does not apply or fails."""
     model, x, y = case.build()
-    call = SETUPS[method](model, x, y, case)
-    call()  # warm-up at full size: kernels, thread pools, optimizer state
+    try:
+        call = SETUPS[method](model, x, y, case)
+        call()  # warm-up at full size: kernels, thread pools, optimizer state
+    except NotApplicableError as why:
+        return {"skip": str(why)}
+    except Exception as err:
+        if method == "train":
+            raise
+        return {"error": _reason(err)}
     model.zero_grad(set_to_none=True)
     gc.collect()
     if case.device.startswith("cuda"):
@@ -423,7 +521,12 @@ def _measure_memory(case: Case, method: str) -> dict:
 def memory_table(cases: list[Case]) -> str:
     rows = []
     for case in cases:
-        mib = {m: _measure_memory(case, m)["peak_increase"] / 2**20 for m in MEMORY_METHODS}
+        mib = {}
+        for m in MEMORY_METHODS:
+            result = _measure_memory(case, m)
+            if "peak_increase" not in result:
+                raise RuntimeError(f"{case.label}: {METHODS[m]} failed: {result}")
+            mib[m] = result["peak_increase"] / 2**20
         for m in MEMORY_METHODS:
             ratio = mib[m] / mib["train"]
             target = None if case.quick or m == "train" else MEMORY_TARGET
@@ -433,12 +536,7 @@ def memory_table(cases: list[Case]) -> str:
                 f"| {case.label} | {METHODS[m]} | {mib[m]:.0f} | {ratio:.2f} | {goal} | {verdict} |"
             )
             print(rows[-1], flush=True)
-    counter = (
-        "`torch.cuda.max_memory_allocated()` − `memory_allocated()` before the call"
-        if cases and cases[0].device.startswith("cuda")
-        else "peak RSS (VmHWM, reset via `/proc/self/clear_refs` after the warm-up) − RSS "
-        "before the call"
-    )
+    counter = _memory_counter(cases)
     return "\n".join(
         [
             "### Peak memory relative to a training step",
@@ -446,6 +544,123 @@ def memory_table(cases: list[Case]) -> str:
             f"One call in a fresh process per cell, after a full-size warm-up; peak: {counter}. "
             "The baseline holds the model, the Adam state (training step), the data and the "
             "warm-up's left-overs; gradients are freed before the measured call.",
+            "",
+            "| network | method | peak above baseline [MiB] | ratio to step | target | result |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+def _memory_counter(cases: list[Case]) -> str:
+    if cases and cases[0].device.startswith("cuda"):
+        return "`torch.cuda.max_memory_allocated()` − `memory_allocated()` before the call"
+    return (
+        "peak RSS (VmHWM, reset via `/proc/self/clear_refs` after the warm-up) − RSS before the "
+        "call; CUDA's `max_memory_allocated` not measured: "
+        + (
+            "run with `--device cuda`"
+            if torch.cuda.is_available()
+            else "no GPU here (`torch.cuda.is_available()` is False)"
+        )
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Kron fits (issue 39, item 6)
+# --------------------------------------------------------------------------------------------
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+def kron_time_table(cases: list[tuple[Case, int, int]], slow_reps: int) -> str:
+    """Wall and CPU time of the Kron fits of one batch beside a training step of it."""
+    rows = []
+    for case, reps, processes in cases:
+        res = _time_in_processes(case, reps, max(slow_reps, KRON_SLOW_REPS), processes)
+        for m, r in res.items():
+            ours = m.startswith("kron")
+            target = KRON_TIME_TARGET if ours and not case.quick else None
+            goal = "—" if target is None else f"≤ {target:g}"
+            if "skip" in r or "error" in r:
+                text = f"not run: {r['skip']}" if "skip" in r else f"fails: {r['error']}"
+                cells = [text, "—", "—", "0"]
+                verdict = "—" if target is None else "FAIL (fails)"
+            else:
+                ratio = statistics.median(r["ratios"])
+                cells = [
+                    f"{statistics.median(r['times']) * 1e3:.0f}",
+                    _spread(r["ratios"]),
+                    _spread(r["cpu_ratios"]),
+                    str(len(r["times"])),
+                ]
+                verdict = "—" if target is None else ("PASS" if ratio <= target else "FAIL")
+            rows.append(
+                f"| {case.label} | {KRON_METHODS[m]} | "
+                + " | ".join(cells)
+                + f" | {goal} | {verdict} |"
+            )
+            print(rows[-1], flush=True)
+    return "\n".join(
+        [
+            "### Kron fit of one batch relative to a training step",
+            "",
+            "`DiagBackprop(model, 'classification', loss=..., kron_mode=..., "
+            "kron_position_fraction=...).kron(x, y, N=batch)`: KFAC factors over all weights "
+            "(one Monte-Carlo draw of `G`; KFAC-expand's patch factor `A` from every position or "
+            "from a random fraction of them, unbiased), the curvature laplace-torch's "
+            "`KronLaplace.fit` adds up per batch; beside it laplace-torch + curvlinops "
+            "`CurvlinopsGGN(model, 'classification', stochastic=...).kron(x, y, N=batch)` "
+            "(KFAC-expand; type-2: exact `G` from one backward pass per class, its default; MC: "
+            "one sampled label). Training step = forward + summed loss + backward + Adam step. "
+            "wall: median over the repetitions [ms]; ratios: median (min–max) over the "
+            "repetitions of (method's seconds / those of the training step run right before it), "
+            "by wall clock and by the process's CPU time (`time.process_time`, all threads); "
+            "reps: timed repetitions, pooled over fresh processes (3 for the 2-D cases, 1 for "
+            f"the 3-D one), after one warm-up call each; at least {KRON_SLOW_REPS} for a method "
+            f"slower than {SLOW:g} steps at warm-up. Target (issue 39): a Kron fit ≤ "
+            f"{KRON_TIME_TARGET:g} × a training step, by wall clock.",
+            "",
+            "| network | method | wall [ms] | ratio to step (wall) | ratio to step (CPU) | reps "
+            "| target | result |",
+            "|---|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+
+
+def kron_memory_table(cases: list[Case]) -> str:
+    """Peak memory of one Kron fit of a batch, relative to a training step's."""
+    rows = []
+    for case in cases:
+        results = {m: _measure_memory(case, m) for m in KRON_METHODS}
+        step = results["train"]["peak_increase"] / 2**20
+        for m, r in results.items():
+            target = KRON_MEMORY_TARGET if m.startswith("kron") and not case.quick else None
+            goal = "—" if target is None else f"≤ {target:g}"
+            if "peak_increase" not in r:
+                text = f"not run: {r['skip']}" if "skip" in r else f"fails: {r['error']}"
+                cells, verdict = [text, "—"], "—" if target is None else "FAIL (fails)"
+            else:
+                mib = r["peak_increase"] / 2**20
+                ratio = mib / step
+                cells = [f"{mib:.0f}", f"{ratio:.2f}"]
+                verdict = "—" if target is None else ("PASS" if ratio <= target else "FAIL")
+            rows.append(
+                f"| {case.label} | {KRON_METHODS[m]} | "
+                + " | ".join(cells)
+                + f" | {goal} | {verdict} |"
+            )
+            print(rows[-1], flush=True)
+    return "\n".join(
+        [
+            "### Peak memory of a Kron fit relative to a training step",
+            "",
+            "As for the GGN diagonals: one call in a fresh process per cell, after a full-size "
+            f"warm-up; peak: {_memory_counter(cases)}. The peak includes the factors the call "
+            f"returns. Target (issue 39): ≤ {KRON_MEMORY_TARGET:g} × a training step's peak.",
             "",
             "| network | method | peak above baseline [MiB] | ratio to step | target | result |",
             "|---|---|---|---|---|---|",
@@ -507,9 +722,8 @@ def _header(args: argparse.Namespace, argv: list[str]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes and networks")
-    parser.add_argument(
-        "--parts", nargs="+", choices=["time", "memory"], default=["time", "memory"]
-    )
+    parts = ["time", "memory", "kron-time", "kron-memory"]
+    parser.add_argument("--parts", nargs="+", choices=parts, default=parts)
     parser.add_argument(
         "--sizes",
         nargs="+",
@@ -573,6 +787,14 @@ def main(argv: list[str] | None = None) -> None:
     ]
     memory_sizes = args.memory_sizes or (QUICK_MEMORY_SIZES if args.quick else MEMORY_SIZES)
     memory_cases = [Case("basicunet3d", s, 1, args.quick, args.device) for s in memory_sizes]
+    kron_cases = [
+        (Case(net, size, batch, args.quick, args.device, "kron"), args.reps or reps, processes)
+        for net, size, batch, reps, processes in (QUICK_KRON_CASES if args.quick else KRON_CASES)
+    ]
+    kron_memory_cases = [
+        Case(net, size, batch, args.quick, args.device, "kron")
+        for net, size, batch in (QUICK_KRON_MEMORY_CASES if args.quick else KRON_MEMORY_CASES)
+    ]
 
     t0 = time.perf_counter()
     sections = [
@@ -584,6 +806,10 @@ def main(argv: list[str] | None = None) -> None:
         sections.append(time_table(time_cases, args.slow_reps, processes))
     if "memory" in args.parts:
         sections.append(memory_table(memory_cases))
+    if "kron-time" in args.parts:
+        sections.append(kron_time_table(kron_cases, args.slow_reps))
+    if "kron-memory" in args.parts:
+        sections.append(kron_memory_table(kron_memory_cases))
     load = os.getloadavg()
     sections.append(
         f"Total benchmark time: {time.perf_counter() - t0:.0f} s; load average at the end: "

@@ -5,8 +5,9 @@ into the batch and, by default (``stochastic=False``, curvlinops' type-2 Fisher)
 column ``c`` of every pixel's Hessian square root at once: the draws ``z`` of all pixels of an
 image are the same unit vector ``√C e_c``. That is our estimator with pixel-correlated draws,
 ``E[z zᵀ] = I_C ⊗ 11ᵀ`` instead of ``I``, so the factors of layers whose output gradients mix
-pixels differ from the GGN's in expectation (tests/kron/measure_expand_reduce.py measures by how
-much). With ``stochastic=True`` (labels sampled per pixel) both estimate the same factors.
+pixels differ from the GGN's in expectation (integration/benchmarks/bench_kron_expand_reduce.py
+measures by how much). With ``stochastic=True`` (labels sampled per pixel) both estimate the
+same factors.
 """
 
 import pytest

@@ -1,4 +1,5 @@
-"""``bench_speed --quick``: every method × network row, finite positive ratios."""
+"""``bench_speed --quick``: every method × network row, finite positive ratios; the Kron fits
+beside laplace-torch + curvlinops, which apply to the 2-class U-Net only."""
 
 import math
 import re
@@ -63,7 +64,7 @@ def test_time_table_has_every_method_and_network(report):
 
 @pytest.mark.slow
 def test_memory_table_has_positive_peaks_and_ratios(report):
-    memory_part = report.split("### Peak memory", 1)[1]
+    memory_part = report.split("### Peak memory relative", 1)[1].split("###", 1)[0]
     rows = _rows(memory_part)
     assert [(r[0].split(",")[0], r[1]) for r in rows] == [
         ("MONAI BasicUNet 3-D 32³", m) for m in ("training step", "lsn_ext DB", "lsn_ext MC(1)")
@@ -102,3 +103,40 @@ def test_time_cases_pool_their_processes_and_keep_each_median(monkeypatch):
     assert pooled["db"]["medians"] == pytest.approx([1.2, 1.2])
     assert pooled["train"]["times"] == [1.0, 1.0, 2.0]
     assert pooled["peer"] == {"error": "set-up: no"}  # failing in one process is failing
+
+
+KRON_NETWORKS = ("paper U-Net 32²", "paper U-Net, 2 classes (CE) 32²", "MONAI BasicUNet 3-D 32³")
+
+
+@pytest.mark.slow
+def test_kron_table_has_ours_everywhere_and_curvlinops_where_it_applies(report):
+    part = report.split("### Kron fit", 1)[1].split("###", 1)[0]
+    rows = {(r[0].rsplit(", batch", 1)[0], r[1]): r for r in _rows(part)}
+    assert set(rows) == {(n, m) for n in KRON_NETWORKS for m in bench.KRON_METHODS.values()}
+    for (net, method), cells in rows.items():
+        if method.startswith("laplace-torch"):
+            if net.startswith("paper U-Net,"):  # the 2-class U-Net: curvlinops runs
+                assert float(cells[3].split(" ")[0]) > 0
+            elif net.startswith("paper U-Net"):  # BCE: laplace-torch has no such likelihood
+                assert cells[2].startswith("not run: laplace-torch has no Bernoulli")
+            else:  # Conv3d: curvlinops refuses it, and the row says why
+                assert cells[2].startswith("fails: ")
+            continue
+        assert float(cells[2]) > 0  # wall ms
+        for ratio in (cells[3], cells[4]):  # "median (min–max)", wall and CPU
+            median, low, high = map(float, ratio.replace("(", "").replace(")", "")
+                                    .replace("–", " ").split())  # fmt: skip
+            assert 0 < low <= median <= high < math.inf
+        assert int(cells[5]) >= 1
+    assert all(rows[n, "training step"][3].startswith("1.00") for n in KRON_NETWORKS)
+
+
+@pytest.mark.slow
+def test_kron_memory_table(report):
+    part = report.split("### Peak memory of a Kron fit", 1)[1].split("Total benchmark", 1)[0]
+    assert "no GPU here" in part or "max_memory_allocated()` −" in part
+    rows = _rows(part)
+    assert [r[1] for r in rows] == list(bench.KRON_METHODS.values())
+    for cells in rows:
+        assert float(cells[2]) > 0
+        assert float(cells[3]) > 0

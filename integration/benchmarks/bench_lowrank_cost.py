@@ -1,8 +1,9 @@
 """Cost of the low-rank Laplace per rank on the LSN paper's U-Net at 64², on one CPU thread.
 
-Run ``python -m tests.lowrank.measure_cost`` (about 10 CPU-minutes on one thread of a loaded
-machine); it writes ``integration/results/lowrank_cost.md``. ``--quick`` runs at 16² with
-ranks 2 and 4 and prints the report without writing it.
+Run ``./dev bench lowrank_cost`` (or ``python -m integration.benchmarks.bench_lowrank_cost``;
+about 10 CPU-minutes on one thread of a loaded machine); it writes
+``integration/results/lowrank_cost.md``. ``--quick`` runs at 16² with ranks 2 and 4 and prints
+the report without writing it.
 
 Workload: ``integration.harness.paper_unet()`` (3 → 1 channels, widths 8-16-32-64-128, 491 137
 parameters), float32, random initialisation, eval mode; 16 random images of 64² with Bernoulli(½)
@@ -28,17 +29,17 @@ import os
 import statistics
 import time
 import warnings
-from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from integration import harness
 from integration.harness import machine, paper_unet, random_batch
 from lsn_ext import DiagBackprop
 from lsn_ext.lowrank import GGNOperator, LowRankGGNLaplace
 from lsn_ext.rules.losses import BCEWithLogits
 
-OUT = Path(__file__).resolve().parents[2] / "integration" / "results" / "lowrank_cost.md"
+RESULTS = harness.RESULTS / "lowrank_cost.md"
 
 
 def _load() -> str:
@@ -62,7 +63,8 @@ def _spread(ts: list[float]) -> str:
     return f"{statistics.median(ts):.2f} ({min(ts):.2f}–{max(ts):.2f})"
 
 
-def main(quick: bool) -> str:
+def run(quick: bool) -> str:
+    """The report (module documentation); ``quick``: 16², ranks 2 and 4."""
     torch.set_num_threads(1)
     size, ranks = (16, (2, 4)) if quick else (64, (5, 10, 20, 40))
     load_before = _load()
@@ -113,7 +115,7 @@ def main(quick: bool) -> str:
         [
             f"# Low-rank Laplace: cost per rank (paper U-Net, {size}², one CPU thread)",
             "",
-            f"Written by `python -m tests.lowrank.measure_cost{' --quick' if quick else ''}`.",
+            f"Written by `./dev bench lowrank_cost{' --quick' if quick else ''}`.",
             machine(),
             f"Load average before: {load_before}; after: {load_after}. The machine was shared "
             "with other jobs throughout, so wall-clock seconds depend on them; the process's "
@@ -155,11 +157,16 @@ def main(quick: bool) -> str:
     )
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16², ranks 2 and 4; print only")
-    args = parser.parse_args()
-    text = main(args.quick)
+    args = parser.parse_args(argv)
+    text = run(args.quick)
     print(text)
     if not args.quick:
-        OUT.write_text(text + "\n")
+        RESULTS.write_text(text + "\n")
+        print(f"written to {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""``bench_lowrank_cost --quick``: cost per rank, with positive times and ratios."""
+
+import pytest
+
+from integration.benchmarks import bench_lowrank_cost as bench
+
+
+@pytest.mark.slow
+def test_quick_run_times_every_rank():
+    text = bench.run(quick=True)
+    assert "Written by `./dev bench lowrank_cost --quick`." in text
+    assert "Load average before:" in text
+    per_rank = [line for line in text.splitlines() if line.startswith(("| 2 |", "| 4 |"))]
+    assert len(per_rank) == 2
+    for line in per_rank:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        steps, cpu, wall = int(cells[1]), float(cells[2]), float(cells[3])
+        assert steps == 2 * int(cells[0]) + 10  # the default Lanczos steps
+        assert cpu > 0
+        assert wall > 0
+        assert float(cells[5]) > 0  # fit / epoch
+    product = next(ln for ln in text.splitlines() if ln.startswith("| one GGN-vector product"))
+    assert float(product.split("|")[-2]) > 0
