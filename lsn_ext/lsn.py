@@ -49,6 +49,7 @@ from lsn_ext.laplace_ext import (
 )
 from lsn_ext.links import categorical_entropy, inverse_link, link_of_channels
 from lsn_ext.lowrank import LowRankGGNLaplace
+from lsn_ext.mixture import mixture_predict
 from lsn_ext.models.ssn import SSN, SSNOutput
 from lsn_ext.moments import RunningMoments
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy, Loss
@@ -62,6 +63,7 @@ __all__ = [
     "ensemble_predict",
     "fit_lsn",
     "mc_dropout_predict",
+    "mixture_predict",
     "predict_lsn",
 ]
 

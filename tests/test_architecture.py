@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine", "forward"),
     ("estimators", "exact", "glm"),
     ("bridge", "vi", "backpack_ext", "stochman_ext", "laplace_ext", "kron", "lowrank"),
-    ("lsn",),
+    ("lsn", "mixture"),
     ("demo", "__main__", "__init__"),
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}

@@ -50,7 +50,13 @@ from integration.experiments.uncertainty_benchmark.design import (
 )
 from integration.experiments.uncertainty_benchmark.units import TestSets, measure_method, run_unit
 from lsn_ext import BCEWithLogits, Laplace, gridsearch_prior_precision
-from lsn_ext.lsn import ensemble_predict, fit_lsn, mc_dropout_predict, predict_lsn
+from lsn_ext.lsn import (
+    ensemble_predict,
+    fit_lsn,
+    mc_dropout_predict,
+    mixture_predict,
+    predict_lsn,
+)
 
 LSN_DEMO_ALEATORIC = 20  # the demo's logit samples per posterior sample (M)
 FLIPS = ((), (-1,), (-2,), (-2, -1))
@@ -83,19 +89,6 @@ def tta_predict(net: nn.Module, x: Tensor) -> Pred:
     entropy = entropy_binary(mean)
     expected = torch.stack([entropy_binary(q) for q in p]).mean(0)
     return Pred(mean, entropy, (entropy - expected).clamp_min(0), p.var(0, unbiased=False))
-
-
-def mixture_predict(posteriors: list, x: Tensor, n: int, seed: int) -> Pred:
-    """The average of the members' ``glm`` predictives: ``E p`` the mean of their means; the
-    mutual information ``H[E p] − E H[p]`` with ``E H[p]`` averaged over members and their
-    posterior samples; ``Var p`` by the law of total variance over members."""
-    preds = [la_predict(la, x, n, "glm", seed + k) for k, la in enumerate(posteriors)]
-    mean = torch.stack([p.mean for p in preds]).mean(0)
-    entropy = entropy_binary(mean)
-    expected = torch.stack([p.entropy - p.mutual_information for p in preds]).mean(0)
-    within = torch.stack([p.variance for p in preds]).mean(0)
-    between = torch.stack([p.mean for p in preds]).var(0, unbiased=False)
-    return Pred(mean, entropy, (entropy - expected).clamp_min(0), within + between)
 
 
 def grid_prior(la: object, data: object, b: ConvergedBudget, pred_type: str, seed: int) -> dict:
@@ -189,7 +182,9 @@ def more_unit(cache: ConvergedCache, dataset: str, seed: int) -> dict:
             TTA: lambda x: tta_predict(unet, x),
             **{m: laplace(m) for m in MORE_LAPLACE},
             LSN_DEMO: lsn_demo,
-            MIXTURE: lambda x: mixture_predict(mixture, x, b.n_epistemic, seed),
+            MIXTURE: lambda x: from_seg(
+                mixture_predict(mixture, x, b.n_epistemic, pred_type="glm", seed=seed)
+            ),
         }
         sets = TestSets.of(data, n_id, b, seed)
         with torch.no_grad():
