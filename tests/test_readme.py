@@ -1,5 +1,6 @@
-"""Every Python block of the README runs as written, in order, after the README's set-up block;
-every table and number the README marks as copied from a committed result equals that result."""
+"""The README and the pages of docs/ as written: every Python block runs, in order, after its
+page's set-up block; every table and number they mark as copied from a committed result equals
+that result; Python blocks import lsn_ext before laplace-torch; the README stays a front page."""
 
 import re
 import warnings
@@ -8,14 +9,28 @@ from pathlib import Path
 import pytest
 import torch
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
 FENCE = re.compile(r"^(?P<indent> *)```python\n(?P<body>.*?)^(?P=indent)```$", re.M | re.S)
 NOT_RUN = "not run by tests/test_readme.py"
+SET_UP = "# set-up"
+README_LINES = 300
 
 
-def blocks() -> list[tuple[int, str]]:
-    """``(line, code)`` of every Python block, dedented (blocks inside list items)."""
-    text = README.read_text()
+def pages() -> list[Path]:
+    """README.md and the Markdown pages of docs/ (not the gallery's generated pages)."""
+    docs = sorted(p for p in DOCS.rglob("*.md") if "generated" not in p.relative_to(DOCS).parts)
+    return [README, *docs]
+
+
+def _name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix() if page.is_relative_to(ROOT) else page.name
+
+
+def blocks(page: Path) -> list[tuple[int, str]]:
+    """``(line, code)`` of every Python block of ``page``, dedented (blocks inside list items)."""
+    text = page.read_text()
     out = []
     for m in FENCE.finditer(text):
         indent = len(m.group("indent"))
@@ -24,39 +39,99 @@ def blocks() -> list[tuple[int, str]]:
     return out
 
 
-def test_the_set_up_comes_first_and_only_marked_blocks_are_skipped():
-    found = blocks()
-    assert len(found) >= 10
-    assert found[0][1].startswith("# README set-up")
-    skipped = [line for line, code in found if NOT_RUN in code.splitlines()[0]]
-    assert len(skipped) == 1  # the torchrun example
+def _runs(code: str) -> bool:
+    return NOT_RUN not in code.splitlines()[0]
 
 
-def test_every_block_runs_in_order():
+PAGES_WITH_CODE = [p for p in pages() if any(_runs(code) for _, code in blocks(p))]
+
+
+def test_each_page_starts_with_its_set_up_and_only_marked_blocks_are_skipped():
+    assert {README, DOCS / "getting-started.md", DOCS / "guide" / "monai.md"} <= set(
+        PAGES_WITH_CODE
+    )
+    for page in PAGES_WITH_CODE:
+        first = next(code for _, code in blocks(page) if _runs(code))
+        assert first.startswith(SET_UP), f"{_name(page)}: the first block that runs is no set-up"
+    found = [(p, code) for p in pages() for _, code in blocks(p)]
+    assert len(found) >= 20
+    skipped = [p for p, code in found if not _runs(code)]
+    assert skipped == [DOCS / "guide" / "distributed.md"]  # the torchrun example
+
+
+# What each page has computed at its end (its last names), as a check that every block ran.
+LAST = {
+    "README.md": lambda ns: ns["maps"].entropy.shape == (4, 32, 32),  # the MONAI quick start
+    "docs/getting-started.md": lambda ns: ns["maps"].entropy.shape == (4, 32, 32),
+    "docs/demo.md": lambda ns: ns["maps"].entropy.shape == (8, 32, 32),
+    "docs/guide/monai.md": lambda ns: ns["maps3d"].entropy.shape == (1, 48, 32, 32),
+}
+
+
+@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_name)
+def test_every_block_of_the_page_runs_in_order(page):
     pytest.importorskip("monai")
     torch.set_default_dtype(torch.float32)  # as a user runs them
     namespace: dict = {"__name__": "readme"}
     ran = 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # laplace-torch's notes; errors are what counts here
-        for line, code in blocks():
-            if NOT_RUN in code.splitlines()[0]:
+        for line, code in blocks(page):
+            if not _runs(code):
                 continue
             try:
-                exec(compile(code, f"README.md, block at line {line}", "exec"), namespace)
+                exec(compile(code, f"{_name(page)}, block at line {line}", "exec"), namespace)
             except Exception as err:
-                pytest.fail(f"README block at line {line} fails: {type(err).__name__}: {err}")
+                pytest.fail(
+                    f"{_name(page)}, block at line {line} fails: {type(err).__name__}: {err}"
+                )
             ran += 1
-    assert ran == len(blocks()) - 1
-    assert namespace["maps"].entropy.shape == (8, 32, 32)  # the last block: the LSN maps
+    assert ran == sum(_runs(code) for _, code in blocks(page))
+    assert LAST.get(_name(page), lambda ns: True)(namespace)
 
 
-ROOT = README.parent
-# A README table copied from a committed result is marked on the line just before it:
+IMPORT = re.compile(r"^\s*(?:import|from)\s+(?P<module>[\w.]+)", re.M)
+
+
+def import_order_problems(page: Path) -> list[str]:
+    """Blocks of ``page`` that import laplace-torch without importing lsn_ext before it."""
+    problems = []
+    for line, code in blocks(page):
+        modules = [m.group("module").split(".")[0] for m in IMPORT.finditer(code)]
+        if "laplace" in modules and "lsn_ext" not in modules[: modules.index("laplace")]:
+            problems.append(f"{_name(page)}, block at line {line}: laplace before lsn_ext")
+    return problems
+
+
+def test_python_blocks_import_lsn_ext_before_laplace():
+    assert sum(len(import_order_problems(p)) for p in pages()) == 0, [
+        problem for p in pages() for problem in import_order_problems(p)
+    ]
+
+
+def test_the_import_order_check_catches_laplace_first(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nfrom laplace import Laplace\nimport lsn_ext\n```\n")
+    assert len(import_order_problems(page)) == 1
+    page.write_text("```python\nimport lsn_ext\nfrom laplace import Laplace\n```\n")
+    assert import_order_problems(page) == []
+
+
+def test_the_readme_is_a_front_page():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_LINES, f"README.md has {len(lines)} lines (at most {README_LINES})"
+    for heading in ("## Install", "## Quick start", "## Development"):
+        assert heading in lines
+    links = set(re.findall(r"\]\((docs/[\w/-]+\.md)(?:#[\w-]+)?\)", README.read_text()))
+    assert links, "the README links to no page of docs/"
+    assert all((ROOT / link).is_file() for link in links), links
+
+
+# A table copied from a committed result is marked on the line just before it:
 #   <!-- table from: integration/results/X.md#heading/subheading -->
 # "#heading/..." names the table in that file: the first table after a line that starts with
 # "heading" (after its "#" or "**"), then "subheading" after that; no fragment: the file's first
-# table. The README may leave out columns (matched by header) and rows, but every cell it shows is
+# table. The page may leave out columns (matched by header) and rows, but every cell it shows is
 # the committed cell, verbatim, with the rows in the committed order.
 # A paragraph, list item or table that quotes measured numbers ends with
 #   <!-- numbers from: integration/results/X.md [more files] -->
@@ -103,7 +178,7 @@ def _marks(text: str, kind: str) -> list[tuple[int, int, str]]:
 
 
 def table_problems(text: str) -> list[str]:
-    """Every difference between a marked README table and the committed table it copies."""
+    """Every difference between a marked table and the committed table it copies."""
     lines, problems = text.splitlines(), []
     for i, _, ref in _marks(text, "table"):
         shown, committed = _table(lines, i + 1), _committed_table(ref)
@@ -149,29 +224,37 @@ def number_problems(text: str) -> list[str]:
     return problems
 
 
+def _all_marks(kind: str) -> int:
+    return sum(len(_marks(p.read_text(), kind)) for p in pages())
+
+
 def test_every_marked_table_is_the_committed_table():
-    text = README.read_text()
-    assert len(_marks(text, "table")) >= 4
-    assert table_problems(text) == []
+    assert _all_marks("table") >= 4
+    problems = [f"{_name(p)}: {x}" for p in pages() for x in table_problems(p.read_text())]
+    assert problems == []
 
 
 def test_every_number_of_a_marked_paragraph_is_in_its_committed_file():
-    text = README.read_text()
-    assert len(_marks(text, "numbers")) >= 30
-    assert number_problems(text) == []
+    assert _all_marks("numbers") >= 30
+    assert len(_marks(README.read_text(), "numbers")) >= 3  # the recommendation
+    problems = [f"{_name(p)}: {x}" for p in pages() for x in number_problems(p.read_text())]
+    assert problems == []
 
 
-def test_the_checks_catch_a_changed_number():
-    text = README.read_text()
-    table_line = _marks(text, "table")[0][0] + 3  # the first body row of the first marked table
-    lines = text.splitlines()
-    cells = lines[table_line].split("|")
-    cells[2] = " 0.123456 "
-    lines[table_line] = "|".join(cells)
-    assert table_problems("\n".join(lines))
+@pytest.mark.parametrize("page", [README, DOCS / "cost.md"], ids=_name)
+def test_the_checks_catch_a_changed_number(page):
+    text = page.read_text()
     paragraph_end = _marks(text, "numbers")[0][0] - 1
     lines = text.splitlines()
     lines[paragraph_end] += " 0.123456"
     assert number_problems("\n".join(lines)) == [
         f"line {paragraph_end + 2}: 0.123456 is in none of {_marks(text, 'numbers')[0][2]}"
     ]
+    if not _marks(text, "table"):
+        return
+    table_line = _marks(text, "table")[0][0] + 3  # the first body row of the first marked table
+    lines = text.splitlines()
+    cells = lines[table_line].split("|")
+    cells[2] = " 0.123456 "
+    lines[table_line] = "|".join(cells)
+    assert table_problems("\n".join(lines))
