@@ -11,9 +11,9 @@ Below, the script runs as
 `examples/backpack_quickstart.py --quick --out examples_out/gallery/backpack_quickstart`
 would, when the site is built (tiny sizes: the numbers are not results). The script itself:
 
-```python
+````python
 --8<-- "examples/backpack_quickstart.py"
-```
+````
 """
 
 # %%

@@ -10,9 +10,9 @@ Below, the script runs as
 `examples/laplace_quickstart.py --quick --out examples_out/gallery/laplace_quickstart`
 would, when the site is built (tiny sizes: the numbers are not results). The script itself:
 
-```python
+````python
 --8<-- "examples/laplace_quickstart.py"
-```
+````
 """
 
 # %%

@@ -11,9 +11,9 @@ Below, the script runs as
 `examples/monai_3d.py --quick --out examples_out/gallery/monai_3d`
 would, when the site is built (tiny sizes: the numbers are not results). The script itself:
 
-```python
+````python
 --8<-- "examples/monai_3d.py"
-```
+````
 """
 
 # %%
