@@ -29,6 +29,7 @@ def test_quick_demo_writes_figure_and_tables(tmp_path, capsys):
     assert "Paper's ordering" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_quick_demo_with_the_calibrated_estimator(tmp_path, capsys):
     args = ["demo", "--quick", "--out", str(tmp_path), "--no-progress", "--ensemble", "0"]
     assert main([*args, "--estimator", "db_calibrated", "--mc-samples", "2"]) == 0
@@ -68,6 +69,7 @@ def test_demo_refuses_before_training(args, message, capsys):
     assert time.process_time() - start < 5  # refused up front, not after the training
 
 
+@pytest.mark.slow
 def test_quick_demo_with_rank_0_and_the_grid_search_prior(tmp_path, capsys):
     args = ["demo", "--quick", "--out", str(tmp_path), "--no-progress", "--ensemble", "0"]
     assert main([*args, "--rank", "0", "--prior", "nll"]) == 0
@@ -76,6 +78,7 @@ def test_quick_demo_with_rank_0_and_the_grid_search_prior(tmp_path, capsys):
     assert (tmp_path / "figure.png").exists()
 
 
+@pytest.mark.slow
 def test_quick_demo_with_the_other_ssn_loss(tmp_path, capsys):
     args = ["demo", "--quick", "--out", str(tmp_path), "--no-progress", "--ensemble", "0"]
     other = "expected" if DemoConfig().ssn_loss == "logsumexp" else "logsumexp"

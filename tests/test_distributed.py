@@ -222,6 +222,7 @@ def _assert_same(got: dict[str, Any], want: Any) -> None:
     assert got["n_data"] == want.n_data == N_TRAIN
 
 
+@pytest.mark.slow
 def test_db_fit_equals_single_process(ranks: list[dict[str, Any]]) -> None:
     want = _fit(_full_loader(), estimator="db")
     for out in ranks:
@@ -229,12 +230,14 @@ def test_db_fit_equals_single_process(ranks: list[dict[str, Any]]) -> None:
         _assert_same(out["after_errors"], want)
 
 
+@pytest.mark.slow
 def test_ddp_wrapped_model_equals_single_process(ranks: list[dict[str, Any]]) -> None:
     want = _fit(_full_loader(), estimator="db")
     for out in ranks:
         _assert_same(out["ddp"], want)
 
 
+@pytest.mark.slow
 def test_sharded_loader_over_per_rank_subsets(ranks: list[dict[str, Any]]) -> None:
     want = _fit(_full_loader(), estimator="db")
     for out in ranks:
@@ -243,6 +246,7 @@ def test_sharded_loader_over_per_rank_subsets(ranks: list[dict[str, Any]]) -> No
         assert "ShardedLoader" in out["subset_error"]
 
 
+@pytest.mark.slow
 def test_marglik_prior_is_the_same_on_every_rank(ranks: list[dict[str, Any]]) -> None:
     want = _fit(_full_loader(), estimator="db")
     want.optimize_prior_precision(method="marglik", n_steps=50)
@@ -250,6 +254,7 @@ def test_marglik_prior_is_the_same_on_every_rank(ranks: list[dict[str, Any]]) ->
     torch.testing.assert_close(ranks[0]["marglik"], want.prior_precision, rtol=1e-6, atol=0)
 
 
+@pytest.mark.slow
 def test_mc_fit_reproducible_identical_on_ranks_and_unbiased(
     ranks: list[dict[str, Any]],
 ) -> None:
@@ -269,6 +274,7 @@ def test_mc_fit_reproducible_identical_on_ranks_and_unbiased(
     assert ((H - exact).norm() / exact.norm()).item() < 0.1
 
 
+@pytest.mark.slow
 def test_identical_batches_get_different_vectors_per_rank(ranks: list[dict[str, Any]]) -> None:
     first, second = ranks
     torch.testing.assert_close(first["same_batch"]["reduced"], second["same_batch"]["reduced"])
@@ -277,6 +283,7 @@ def test_identical_batches_get_different_vectors_per_rank(ranks: list[dict[str, 
     assert not torch.allclose(first["same_batch"]["reduced"], twice)
 
 
+@pytest.mark.slow
 def test_opt_out_gives_the_shard_posterior(ranks: list[dict[str, Any]]) -> None:
     for rank, out in enumerate(ranks):
         shard = Subset(_data(), range(rank, N_TRAIN, WORLD))  # DistributedSampler's interleaving
@@ -287,6 +294,7 @@ def test_opt_out_gives_the_shard_posterior(ranks: list[dict[str, Any]]) -> None:
     assert not torch.allclose(ranks[0]["opt_out"]["H"], ranks[1]["opt_out"]["H"])
 
 
+@pytest.mark.slow
 def test_padded_and_dropping_samplers_are_refused(ranks: list[dict[str, Any]]) -> None:
     for rank, out in enumerate(ranks):
         assert f"rank {rank}" in out["padded_check"]
@@ -303,6 +311,7 @@ def test_padded_and_dropping_samplers_are_refused(ranks: list[dict[str, Any]]) -
     _assert_same(ranks[0]["after_uneven"], _fit(_full_loader(), estimator="db"))
 
 
+@pytest.mark.slow
 def test_an_error_on_one_rank_stops_every_rank(ranks: list[dict[str, Any]]) -> None:
     first, second = (out["nan_on_one_rank"] for out in ranks)
     assert second.startswith("ValueError: the batch's inputs")
@@ -312,6 +321,7 @@ def test_an_error_on_one_rank_stops_every_rank(ranks: list[dict[str, Any]]) -> N
     _assert_same(ranks[0]["after_errors"], _fit(_full_loader(), estimator="db"))
 
 
+@pytest.mark.slow
 def test_gridsearch_and_predict_agree_across_ranks(ranks: list[dict[str, Any]]) -> None:
     first, second = ranks
     assert first["grid"] == second["grid"]

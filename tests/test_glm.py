@@ -75,6 +75,7 @@ NETWORKS = {"bce-unet-2d": (_bce_unet, "bce"), "ce-unet-2d": (_ce_unet, "ce")}
 NETWORKS["ce-conv-3d"] = (_volume_net, "ce")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(NETWORKS), ids=list(NETWORKS))
 def test_logit_variance_is_the_dense_linearised_variance_diag_posterior(case):
     make, loss = NETWORKS[case]
@@ -94,6 +95,7 @@ def test_logit_variance_is_the_dense_linearised_variance_diag_posterior(case):
     assert (pred.pred_type, pred.link_approx, pred.n_samples) == ("glm", "mc", n)
 
 
+@pytest.mark.slow
 def test_logit_variance_is_the_dense_linearised_variance_low_rank_vi_posterior():
     net, x, _ = _bce_unet()
     post = VariationalPosterior(net, "bce", rank=3, init_std=0.05)

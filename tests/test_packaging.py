@@ -100,6 +100,7 @@ def _test_imports() -> set[str]:
     return needed
 
 
+@pytest.mark.slow
 def test_sdist_carries_the_whole_test_suite(dists):
     tests = {
         p.relative_to(ROOT).as_posix()
@@ -113,6 +114,7 @@ def test_sdist_carries_the_whole_test_suite(dists):
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in dists["sdist"])
 
 
+@pytest.mark.slow
 def test_sdist_carries_licences_docs_and_data(dists):
     top = {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "MANIFEST.in", "dev"}
     assert not top - dists["sdist"]
@@ -125,6 +127,7 @@ def test_sdist_carries_licences_docs_and_data(dists):
     assert not any(n.startswith("integration/results/") for n in dists["sdist"])
 
 
+@pytest.mark.slow
 def test_wheel_carries_data_and_licences(dists):
     wheel = dists["wheel"]
     assert not {f"lsn_ext/data/nuclei_files/{f}" for f in DATA} - wheel
@@ -179,6 +182,7 @@ def test_cli_help_is_light():
     assert out.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_package_names_register_stochman_layers():
     """README, StochMan: using the package's names makes ``nnj`` layers known to the rule table."""
     out = _run(
@@ -192,6 +196,7 @@ def test_package_names_register_stochman_layers():
     assert out.split() == ["ConvRule", "lsn_ext.metrics"]
 
 
+@pytest.mark.slow
 def test_engines_register_stochman_layers_without_the_package_names():
     """Importing an engine module directly still finds the rules of ``nnj`` layers."""
     out = _run(
@@ -238,6 +243,7 @@ def test_lazy_table_all_and_type_checking_imports_agree():
     assert set(lsn_ext.__all__) == typed | {"__version__"}
 
 
+@pytest.mark.slow
 def test_the_public_api_imports_with_warnings_as_errors():
     code = (
         "import lsn_ext; lsn_ext.DiagBackprop; lsn_ext.predict; lsn_ext.laplace_bridge; "
@@ -249,6 +255,7 @@ def test_the_public_api_imports_with_warnings_as_errors():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_broken_torchvision_gets_an_error_that_names_it_and_the_fix(tmp_path):
     """PyPI's CUDA torchvision beside a CPU torch fails inside ``import laplace`` (torchmetrics)."""
     fake = tmp_path / "torchvision"
@@ -274,6 +281,7 @@ def test_a_broken_torchvision_gets_an_error_that_names_it_and_the_fix(tmp_path):
     assert "pip uninstall torchvision" in last
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path):
     """The built wheel, installed offline into a new venv, runs a Laplace fit from outside the repo.
 
@@ -328,6 +336,7 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path)
     assert version.stdout.strip().endswith(lsn_ext.__version__), version.stderr
 
 
+@pytest.mark.slow
 def test_the_release_builds_cleanly_and_passes_twine_check(tmp_path):
     """``python -m build`` without warnings, and ``twine check`` (PyPI's rendering of README)."""
     pytest.importorskip("build", reason="build is in the dev extra")

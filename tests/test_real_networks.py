@@ -18,6 +18,7 @@ the whole functional model per loss-Hessian factor, independent of both estimato
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -31,6 +32,11 @@ from tests.model_state import assert_unchanged, differences, snapshot
 from tests.real_networks import REAL_NETWORKS, RealNetwork
 
 SEEDS = 100
+# The 32² networks cost most (their exact diagonal above all): the slow tier runs them.
+NAMES = [
+    pytest.param(n, marks=pytest.mark.slow) if math.prod(c.in_shape[1:]) >= 32 * 32 else n
+    for n, c in REAL_NETWORKS.items()
+]
 # laplace-torch's constructor warns about its own predictive's default, which is not used here.
 pytestmark = pytest.mark.filterwarnings("ignore:By default `link_approx` is `probit`")
 
@@ -77,7 +83,7 @@ def _output_layer(model: nn.Module, x: Tensor) -> str:
     return called[-1]
 
 
-@pytest.mark.parametrize("name", REAL_NETWORKS)
+@pytest.mark.parametrize("name", NAMES)
 def test_diag_backprop_runs_and_is_exact_for_the_output_layer(name):
     case = _case(name)
     model, x, y, exact = _setting(name)
@@ -96,6 +102,7 @@ def test_diag_backprop_runs_and_is_exact_for_the_output_layer(name):
         torch.testing.assert_close(res.diagonals[k], exact[k], rtol=1e-9, atol=1e-12, msg=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", REAL_NETWORKS)
 def test_monte_carlo_is_unbiased_against_the_exact_diagonal(name):
     case = _case(name)
@@ -128,7 +135,7 @@ def _only_laplace_output_size(model: nn.Module, before) -> None:
 
 
 @pytest.mark.parametrize("estimator", ["mc", "db"])
-@pytest.mark.parametrize("name", REAL_NETWORKS)
+@pytest.mark.parametrize("name", NAMES)
 def test_laplace_workflow(name, estimator):
     case = _case(name)
     torch.manual_seed(0)

@@ -53,6 +53,7 @@ def _fit(backend, **backend_kwargs):
     return la
 
 
+@pytest.mark.slow
 def test_fit_matches_the_exact_ggn_diagonal_of_laplace_torch():
     ref = _fit(CurvlinopsGGN)
     la = _fit(DiagBackprop, mc_samples=2000)
@@ -62,6 +63,7 @@ def test_fit_matches_the_exact_ggn_diagonal_of_laplace_torch():
     assert abs(float(ref.H[-1])) < 1e-12  # the last bias shifts both rewards of a pair alike
 
 
+@pytest.mark.slow
 def test_predictive_is_a_regression_over_rewards():
     ref = _fit(CurvlinopsGGN)
     la = _fit(DiagBackprop, mc_samples=2000)

@@ -125,6 +125,7 @@ def test_logsumexp_draws_have_the_ssn_covariance():
 # -- "expected": the per-pixel expected NLL -----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pos_weight", POS_WEIGHTS)
 def test_expected_curvature_is_the_autograd_hessian_of_the_expected_nll(pos_weight):
     mu = torch.tensor([0.0, 3.0, -8.0, 2.0, 0.5, -1.0, 0.0, 45.0, -30.0]).reshape(1, 1, 3, 3)

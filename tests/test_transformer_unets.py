@@ -129,6 +129,7 @@ def _z_scores(model, x, y, loss, exact, replicates=REPLICATES, draws=DRAWS, **kw
     return z, float(z_total), res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NETWORKS)
 def test_monte_carlo_is_unbiased_on_transformer_unets(name):
     model, x, y, loss, exact = _setting(name)
@@ -149,7 +150,9 @@ def test_monte_carlo_is_unbiased_on_transformer_unets(name):
     assert last.mc_paths["out.conv.conv.weight"] == "module"
 
 
-@pytest.mark.parametrize("name", ["unetr-2d-ce", "swinunetr-2d-bce"])
+@pytest.mark.parametrize(
+    "name", ["unetr-2d-ce", pytest.param("swinunetr-2d-bce", marks=pytest.mark.slow)]
+)
 def test_block_replay_equals_whole_model_replay(name):
     """Same vectors, same numbers: the per-block and the whole-model path agree."""
     model, x, y, loss, _ = _setting(name)

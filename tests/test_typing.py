@@ -14,6 +14,7 @@ import pytest
 USAGE = Path(__file__).parent / "typing" / "public_api.py"
 
 
+@pytest.mark.slow  # mypy --strict in a subprocess
 def test_the_public_api_type_checks_strictly_from_a_users_script(tmp_path):
     pytest.importorskip("mypy", reason="mypy is in the dev extra")
     done = subprocess.run(

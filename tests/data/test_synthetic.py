@@ -27,6 +27,7 @@ def lesions() -> tuple[torch.Tensor, torch.Tensor]:
     return lesion_dataset(600, generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.slow
 def test_lesion_dataset_shapes_masks_and_reproducibility(lesions):
     images, masks = lesions
     assert images.shape == (600, 3, 64, 64)
@@ -45,6 +46,7 @@ def test_lesion_dataset_shapes_masks_and_reproducibility(lesions):
     assert small_masks.shape == (3, 1, 16, 16)
 
 
+@pytest.mark.slow
 def test_lesion_dataset_hits_the_foreground_share(lesions):
     _, masks = lesions
     assert abs(masks.mean().item() - 1 / 9) < 0.02  # the paper's 1:8 imbalance
@@ -55,6 +57,7 @@ def test_lesion_dataset_hits_the_foreground_share(lesions):
     assert abs(quarter.mean().item() - 0.25) < 0.02
 
 
+@pytest.mark.slow
 def test_lesion_dataset_is_standardised_with_fixed_constants(lesions):
     images, masks = lesions
     mean, std = images.mean((0, 2, 3)), images.std((0, 2, 3))
@@ -80,6 +83,7 @@ def _rings(masks: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return outside > 0, inside > 0
 
 
+@pytest.mark.slow
 def test_lesion_dataset_boundary_is_fuzzy(lesions):
     images, masks = lesions
     lum = images.mean(1, keepdim=True)

@@ -661,6 +661,7 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/statm"), reason="needs /proc")
 def test_repeated_calls_keep_memory_flat():
     """30 calls of every entry point on a U-Net at 64²: resident memory stays flat.

@@ -176,6 +176,7 @@ def _compiled_submodule() -> tuple[nn.Module, str]:
     return nn.Sequential(nn.Conv2d(1, 1, 1), block).eval(), r"'1' \(compiled"
 
 
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize(
     "make", [_compiled_whole, _compiled_submodule], ids=["whole-model", "submodule"]
 )

@@ -128,6 +128,7 @@ UNBIASED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", UNBIASED)
 def test_mc_is_unbiased_over_seeds(name):
     """The mean over 300 seeds matches the exact diagonal within 5 standard errors, everywhere."""
@@ -183,6 +184,7 @@ IN_PLACE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", IN_PLACE)
 def test_mc_is_unbiased_with_in_place_ops_after_norm_views(name):
     """Every norm parameter gets its curvature (it read exactly 0 before), unbiased over seeds."""
@@ -356,6 +358,7 @@ def test_calibrated_shrinkage_interpolates_to_monte_carlo():
     torch.testing.assert_close(half, (full + none) / 2)
 
 
+@pytest.mark.slow
 def test_calibrated_layer_traces_are_unbiased():
     model = tiny_unet(3)
     x, y = torch.randn(2, 2, 4, 4), torch.randint(0, 3, (2, 4, 4))

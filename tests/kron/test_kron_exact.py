@@ -191,6 +191,7 @@ def test_batch_gradient_path_is_exact_in_expectation(make):
     torch.testing.assert_close(result.factors(name)[0], exact[name], rtol=1e-9, atol=1e-11)
 
 
+@pytest.mark.slow
 def test_monte_carlo_draws_are_unbiased():
     """600 Rademacher draws land within their noise of the expectation, for every block.
 

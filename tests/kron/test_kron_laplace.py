@@ -98,6 +98,7 @@ def test_laplace_torch_refuses_3d_weights_and_the_adapter_takes_them():
     assert [t.shape for t in zero.kfacs[0]] == [(2, 2), (27, 27)]
 
 
+@pytest.mark.slow
 def test_kron_laplace_fits_sums_batches_and_samples_in_3d():
     """Two batches summed by KronLaplace.fit equal one batch of all data with the same N."""
     net = _net_3d()

@@ -82,6 +82,7 @@ def test_every_position_kept_is_the_definition(case):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(LAYERS))
 def test_a_fraction_is_unbiased_and_leaves_the_other_factors(case):
     net, x, y, z = _net(case)
@@ -101,6 +102,7 @@ def test_a_fraction_is_unbiased_and_leaves_the_other_factors(case):
                 torch.testing.assert_close(runs[0].factors(name)[i], b, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_unet_patch_factors_are_unbiased():
     """Every weight of a U-Net with concatenating skips, BCE, several layers sampled at once."""
     net = tiny_unet(out_channels=1, up="transposed")

@@ -207,6 +207,7 @@ def test_predictive_collapses_to_map_for_a_sharp_posterior():
     torch.testing.assert_close(pred.mean.sum(1), torch.ones(2, 16, 16, dtype=x.dtype))
 
 
+@pytest.mark.slow
 def test_sampling_variance_matches_analytic_variance_of_a_linear_model():
     # f = w·x + b under a diagonal Gaussian posterior: Var f = Σ x_i² σ²_wi + σ²_b exactly.
     net = nn.Linear(4, 1)

@@ -129,6 +129,7 @@ def test_samples_have_the_dense_posterior_covariance():
     assert float(error) < 4 * math.sqrt(23 / n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SEGMENTATION, ids=str)
 def test_glm_predictive_variance_matches_dense_diag_j_sigma_jt(name):
     la, model, _, x = _fitted(name, prior=4.0)

@@ -82,7 +82,11 @@ def test_product_matches_dense_ggn(name):
     torch.testing.assert_close(op.loss_value, expected.detach())
 
 
-@pytest.mark.parametrize("name", list(SHARING_NETS), ids=str)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n == "dynunet" else n for n in SHARING_NETS],
+    ids=str,
+)
 def test_product_on_shared_and_tied_parameters(name):
     # Modules under two names and weights tied across modules: the parameter appears once.
     pytest.importorskip("monai") if name == "dynunet" else None

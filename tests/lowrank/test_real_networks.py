@@ -21,7 +21,11 @@ from tests.reference import loss_hessian_dense
 
 pytestmark = pytest.mark.filterwarnings("ignore:By default `link_approx` is `probit`")
 
-CASES = ["lsn-paper-unet", "monai-segresnet-2d", "monai-unet-3d"]
+CASES = [
+    "lsn-paper-unet",
+    pytest.param("monai-segresnet-2d", marks=pytest.mark.slow),
+    pytest.param("monai-unet-3d", marks=pytest.mark.slow),
+]
 
 
 def _fitted(name):
@@ -61,6 +65,7 @@ def test_eigenpairs_marglik_and_predict_on_real_networks(name):
     assert bool(torch.isfinite(pred.logit_variance).all())
 
 
+@pytest.mark.slow
 def test_glm_predictive_on_a_3d_network_matches_dense():
     la, model, x, _ = _fitted("monai-unet-3d")
     sigma = torch.linalg.inv(dense_precision(la))

@@ -8,6 +8,7 @@ import pytest
 from integration.harness import script_command, script_env
 
 pytest.importorskip("monai", reason="MONAI's BasicUNet is the benchmark's network")
+pytestmark = pytest.mark.slow  # one --quick run of the script in a subprocess
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from integration.checks import suite_times
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
+@pytest.mark.slow  # pytest in a subprocess
 def test_the_plugin_records_every_test_with_its_tier_and_cpu_seconds(tmp_path):
     ini = tmp_path / "pytest.ini"
     ini.write_text("[pytest]\nmarkers =\n    slow: costly\n")

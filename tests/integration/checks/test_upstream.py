@@ -26,6 +26,7 @@ needs_git = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_git
 def test_stochman_patches_apply_pass_and_follow_upstream_style():
     res = subprocess.run(
@@ -54,6 +55,7 @@ MISFORMATTED = "import sys\nimport os\nx=[1,2 ,3]\n"  # unsorted, unused, unform
 FORMATTED = "x = [1, 2, 3]\n"
 
 
+@pytest.mark.slow  # black, isort, flake8 and ruff in subprocesses
 @pytest.mark.parametrize(
     ("package", "tools"),
     [
@@ -70,6 +72,7 @@ def test_style_check_reports_misformatted_file(tmp_path, package, tools):
     assert problems == {"pkg/bad.py": tools, "pkg/good.py": []}
 
 
+@pytest.mark.slow
 def test_style_check_uses_upstream_line_length(tmp_path):
     """A 97-character line: too long for BackPACK (black: 88, B950: 96), fine for StochMan."""
     line = "x = " + " + ".join(["1"] * 24) + "\n"
