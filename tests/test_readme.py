@@ -3,6 +3,8 @@ page's set-up block; every table and number they mark as copied from a committed
 that result; Python blocks import lsn_ext before laplace-torch; the README stays a front page."""
 
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -90,16 +92,28 @@ def test_every_block_of_the_page_runs_in_order(page):
     assert LAST.get(_name(page), lambda ns: True)(namespace)
 
 
-IMPORT = re.compile(r"^\s*(?:import|from)\s+(?P<module>[\w.]+)", re.M)
+IMPORT = re.compile(r"^\s*(?:import|from)\s+(?P<module>[\w.]+)(?P<names>\s+import\b)?", re.M)
 
 
 def import_order_problems(page: Path) -> list[str]:
-    """Blocks of ``page`` that import laplace-torch without importing lsn_ext before it."""
+    """Blocks of ``page`` that import laplace-torch before a name from lsn_ext.
+
+    ``import lsn_ext`` alone is lazy (PEP 562): it imports nothing of laplace-torch, so only a
+    ``from lsn_ext... import name`` runs lsn_ext's torchvision check and warning filter first.
+    """
     problems = []
     for line, code in blocks(page):
-        modules = [m.group("module").split(".")[0] for m in IMPORT.finditer(code)]
-        if "laplace" in modules and "lsn_ext" not in modules[: modules.index("laplace")]:
-            problems.append(f"{_name(page)}, block at line {line}: laplace before lsn_ext")
+        found = [
+            (m.group("module").split(".")[0], bool(m.group("names"))) for m in IMPORT.finditer(code)
+        ]
+        modules = [module for module, _ in found]
+        if "laplace" not in modules:
+            continue
+        before = found[: modules.index("laplace")]
+        if ("lsn_ext", True) not in before:
+            problems.append(
+                f"{_name(page)}, block at line {line}: laplace before a name from lsn_ext"
+            )
     return problems
 
 
@@ -114,7 +128,19 @@ def test_the_import_order_check_catches_laplace_first(tmp_path):
     page.write_text("```python\nfrom laplace import Laplace\nimport lsn_ext\n```\n")
     assert len(import_order_problems(page)) == 1
     page.write_text("```python\nimport lsn_ext\nfrom laplace import Laplace\n```\n")
+    assert len(import_order_problems(page)) == 1  # lazy: imports nothing of laplace-torch
+    ordered = "import lsn_ext\nfrom lsn_ext import DiagBackprop\nfrom laplace import Laplace\n"
+    page.write_text(f"```python\n{ordered}```\n")
     assert import_order_problems(page) == []
+
+
+def test_importing_a_name_from_lsn_ext_first_passes_python_w_error():
+    """The documented order works under ``python -W error`` (laplace-torch's asdl import warns)."""
+    code = "import lsn_ext\nfrom lsn_ext import DiagBackprop\nfrom laplace import Laplace\n"
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_the_readme_is_a_front_page():
