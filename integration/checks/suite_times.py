@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("path", type=Path, help="a --suite-times file or --durations=0 output")
     parser.add_argument("--top", type=int, default=20, help="files and tests listed (20)")
     args = parser.parse_args(argv)
+    if not args.path.is_file():
+        parser.error(f"{args.path}: no such file (record one with --suite-times=PATH)")
     if args.top < 1:
         parser.error(f"--top must be at least 1, got {args.top}")
     rows, comments = read(args.path)
