@@ -104,8 +104,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def read(path: Path) -> tuple[list[Row], list[str]]:
     """The rows of a ``--suite-times`` file or of ``--durations=0`` output, and its comments."""
     text = path.read_text().splitlines()
-    comments = [ln[2:] for ln in text if ln.startswith("# ")]
     if any("\t" in ln for ln in text):
+        comments = [ln[2:] for ln in text if ln.startswith("# ")]
         rows = []
         for ln in text:
             if ln.startswith("#") or not ln.strip():
@@ -118,7 +118,8 @@ def read(path: Path) -> tuple[list[Row], list[str]]:
         m = _DURATION.match(ln)
         if m:
             walls[m.group(3)] += float(m.group(1))
-    return [Row(k, None, v, None) for k, v in walls.items()], comments
+    note = "pytest --durations output: wall seconds of the phases it lists (not those < 0.005 s)"
+    return [Row(k, None, v, None) for k, v in walls.items()], [note]
 
 
 def _seconds(rows: list[Row], attr: str) -> str:

@@ -38,13 +38,17 @@ def test_the_plugin_records_every_test_with_its_tier_and_cpu_seconds(tmp_path):
 def test_durations_output_is_summed_per_test_and_ranked_per_file(tmp_path):
     durations = tmp_path / "durations.txt"
     durations.write_text(
+        "# a line a test printed\n"
         "===== slowest durations =====\n"
         "0.50s call     tests/a.py::test_one\n"
         "0.25s setup    tests/a.py::test_one\n"
         "1.00s call     tests/b.py::test_two[x]\n"
         "(3 durations < 0.005s hidden.)\n"
     )
-    rows, _ = suite_times.read(durations)
+    rows, comments = suite_times.read(durations)
+    assert comments == [
+        "pytest --durations output: wall seconds of the phases it lists (not those < 0.005 s)"
+    ]
     assert sorted((r.nodeid, r.wall, r.cpu) for r in rows) == [
         ("tests/a.py::test_one", 0.75, None),
         ("tests/b.py::test_two[x]", 1.0, None),
