@@ -298,11 +298,15 @@ def regenerate(report: str, spec: Spec) -> tuple[str, list[str]]:
             ):
                 hits = [c for c in hits if keep(c)] or hits  # the row's own series if named
             new = {mean_ci(c.values).fmt(digits, sign) for c in hits}
+            if float(m["mean"]) == float(m["half"]) == 0:
+                return text  # 0 ± 0 at the printed digits: no interval to regenerate
             if len(new) == 1:
                 (out,) = new
                 if out != text:
                     changes.append(f"{report}:{i + 1}: {text} → {out}  ({hits[0].label})")
                 return out
+            if len(new) > 1 and text in new:
+                return text  # already one of its candidates' intervals
             if len(new) > 1:
                 problems.append(f"{report}:{i + 1}: {text} is ambiguous: {new}")
             elif float(m["half"]) == 0 or z_cells:
