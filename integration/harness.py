@@ -5,7 +5,10 @@ unit runner, wall-clock timing, peak-memory counters and the cost benchmarks' wo
 - :func:`machine`, :func:`report`, :func:`quick_benchmark_main`: a report's header and a
   benchmark's command line;
 - :func:`run_units`: units of work in spawned processes, with progress lines;
-- :func:`timed`: ``(fn(), seconds)``;
+- :func:`timed`: ``(fn(), seconds)``; :func:`timed_wall_cpu`: wall and CPU seconds on a device;
+- :func:`run_worker`: a script's own worker in a fresh process, its last line as JSON;
+- :func:`peak_increase`: peak memory of one call; :func:`run_header`: a report's run line;
+- :func:`error_cell`, :func:`median_range`, :func:`git_revision`: a report's cells and code line;
 - :func:`script_command`, :func:`script_env`: a script (or its own worker) in a fresh process
   as ``python -m integration.<role>.<name>``, importable from any working directory;
 - :func:`rss_bytes`, :func:`maxrss_bytes`, :func:`hwm_bytes`, :func:`reset_peak`,
@@ -15,10 +18,14 @@ unit runner, wall-clock timing, peak-memory counters and the cost benchmarks' wo
 """
 
 import argparse
+import gc
+import json
 import multiprocessing
 import os
 import platform
 import resource
+import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -184,3 +191,104 @@ def random_batch(batch: int, size: int, seed: int = 0) -> tuple[torch.Tensor, to
     x = torch.randn(batch, 3, size, size, generator=g)
     y = (torch.rand(batch, 1, size, size, generator=g) > 0.5).float()
     return x, y
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA); nothing on the CPU."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_wall_cpu(fn: Callable[[], object], device: str) -> tuple[float, float]:
+    """Wall-clock and process CPU seconds (``time.process_time``: all threads) of ``fn()``."""
+    sync(device)
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def error_cell(err: BaseException) -> str:
+    """The error in one short table cell."""
+    lines = str(err).strip().splitlines() or [""]
+    text = f"{type(err).__name__}: {lines[0]}".replace("|", "/")
+    return text if len(text) <= 140 else text[:137] + "..."
+
+
+def median_range(values: Sequence[float]) -> str:
+    """``median (min–max)`` with two decimals."""
+    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+
+
+def git_revision() -> str:
+    """The checkout's commit, and whether tracked code outside the results differs from it."""
+    git = ["git", "-C", str(ROOT)]
+    try:
+        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()  # fmt: skip
+        changed = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
+             ":!integration/results"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{commit} with uncommitted changes" if changed else commit
+
+
+def run_worker(
+    module: str, flag: str, spec: dict, extra_env: dict[str, str] | None = None
+) -> tuple[list[str], dict]:
+    """Run ``module`` as its own worker (``flag`` with ``spec`` as JSON) in a fresh process on
+    this process's torch threads, with ``extra_env`` added to its environment.
+
+    Returns the lines it printed before its last, and its last line parsed as JSON.
+
+    Raises:
+        RuntimeError: The worker failed, with its standard error.
+    """
+    cmd = script_command(module, flag, json.dumps(spec))
+    cmd += ["--threads", str(torch.get_num_threads())]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=script_env(**(extra_env or {})))
+    if out.returncode != 0:
+        raise RuntimeError(f"worker {flag} {spec} failed:\n{out.stderr}")
+    *lines, last = out.stdout.strip().splitlines()
+    return lines, json.loads(last)
+
+
+def peak_increase(call: Callable[[], object], device: str) -> tuple[int, int]:
+    """``(baseline, peak − baseline)`` bytes of one ``call()``: on CUDA from
+    ``torch.cuda.max_memory_allocated``, on CPU from the kernel's peak-RSS counter (VmHWM, reset
+    through ``/proc/self/clear_refs``; run under :data:`MALLOC_ENV` so that the RSS follows the
+    live tensors)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        call()
+        torch.cuda.synchronize()
+        return base, torch.cuda.max_memory_allocated() - base
+    if not reset_peak():
+        raise RuntimeError("peak memory on CPU needs /proc/self/clear_refs (Linux ≥ 4.0)")
+    base = rss_bytes()
+    call()
+    return base, hwm_bytes() - base
+
+
+def run_header(device: str, command: str) -> str:
+    """A benchmark report's run line: machine, device, command, code revision and load."""
+    load = os.getloadavg()
+    cpus = os.cpu_count() or 1
+    if device.startswith("cuda"):
+        device += f" ({torch.cuda.get_device_name(device)})"
+    busy = (
+        f" The load exceeded the {cpus} logical CPUs: other jobs shared the machine, so the "
+        "times are contended; the paired ratios are the figures least affected."
+        if load[0] > cpus
+        else ""
+    )
+    return (
+        f"{machine()} Device: {device}. Command: `{command}`. Code: {git_revision()}. Load average "
+        f"(1, 5, 15 min) at the start: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}.{busy}"
+    )

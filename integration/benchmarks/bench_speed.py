@@ -10,55 +10,8 @@ Run from the repository root::
     ./dev bench speed --threads 1              # the committed run (a busy 2-core CPU)
     ./dev bench speed --parts kron-time kron-memory  # only the Kron fits
 
-**Time.** For each network the methods run on the same model and batch (float32, random init,
-seed 0): a training step (forward + summed loss + backward + ``torch.optim.Adam`` step),
-lsn_ext's DB (``ggn_diagonal(..., estimator="db")``) and MC(1) (``estimator="mc",
-mc_samples=1``), and the peers where they install: BackPACK's ``DiagGGNMC`` and
-``DiagGGNExact`` on ``extend(model, use_converter=True)`` (BackPACK 1.7's only route to
-networks with branches such as ``torch.cat`` skips) and curvlinops' GGN diagonal. curvlinops 3.0
-has no per-parameter GGN diagonal: its diagonals are matrix-free estimates of a linear operator,
-``hutchinson_diag`` and ``xdiag``; the row is ``hutchinson_diag(GGNLinearOperator, 1)`` (one
-Rademacher GGN-vector product; its error involves every off-diagonal GGN entry, unlike MC(1)'s;
-this benchmark measures cost, not accuracy). A peer that fails on a network has the reason in its
-row, as raised (BackPACK's converter traces the model with ``torch.fx``; where tracing succeeds,
-the converted graph can still be wired wrongly, and the error then comes from a layer). After one
-warm-up call of each method the methods alternate within each repetition, each right after a
-training step of its own (S A S B S C, S A S B S C, ...), so that load drifts hit all alike and
-each ratio pairs two calls made one after the other; the table gives the median time and the
-median of the paired ratios method / training step. A method whose warm-up took more than
-``SLOW`` training steps is timed in the first ``--slow-reps`` repetitions only.
-
-Networks: the LSN paper's U-Net (``harness.paper_unet``, 3 → 1 channels, BCE) at 64² and 128²,
-batch 8; MONAI ``BasicUNet`` with its default features (32, 32, 64, 128, 256, 32), instance norm
-and LeakyReLU, 1 → 2 channels, cross-entropy, 2-D at 128² (batch 8) and 3-D at 64³ (batch 1). All
-in eval mode (for these networks the same computation as train mode: no batch norm, no dropout).
-
-**Memory.** Peak memory above the baseline (model, optimizer state, data, after a warm-up) of one
-call, relative to a training step's, for the training step, DB and MC(1) on the 3-D BasicUNet,
-batch 1. Each number comes from a fresh process that builds the model, warms up with the same
-call at full size, frees the gradients and then measures one call: on CPU the kernel's peak-RSS
-counter (VmHWM) is reset through ``/proc/self/clear_refs`` and the peak is VmHWM after the call
-minus the RSS before it (glibc set to return freed memory, so that the RSS follows the live
-tensors; ``harness.MALLOC_ENV``); on CUDA ``torch.cuda.max_memory_allocated`` minus
-``memory_allocated`` before the call.
-
-**Kron fits** (issue 39, item 6; parts ``kron-time`` and ``kron-memory``). On the same batch
-beside a training step, as above (alternated, paired ratios; wall clock and the process's CPU
-time): ``DiagBackprop(model, "classification", loss=..., kron_mode=...,
-kron_position_fraction=...).kron(x, y, N=batch)`` (lsn_ext's KFAC over all weights, one
-Monte-Carlo draw of ``G``; expand with every position, expand with a fraction
-``KRON_FRACTIONS`` of them, reduce) and laplace-torch + curvlinops
-``CurvlinopsGGN(model, "classification", stochastic=False | True).kron(x, y, N=batch)``.
-Networks: the paper U-Net at 64², batch 8, BCE (where laplace-torch, which has no Bernoulli
-likelihood, is not run), the same network with two output channels and cross-entropy (Conv2d,
-max pooling, nearest upsampling and ``cat``: where curvlinops' KFAC runs), and MONAI's
-BasicUNet 3-D at 64³, batch 1 (curvlinops refuses its 3-D convolutions; the row gives the
-error). Peak memory per call as above, one fresh process per cell. Targets: a Kron fit ≤ 2 × a
-training step per batch, its peak memory ≤ 1.5 × the step's.
-
-Targets (issue 28), printed beside the measured ratios: MC(1) ≤ 1.3 × a step on the paper's
-U-Net at 64² and 128², ≤ 1.6 × on BasicUNet 2-D 128² and 3-D 64³; DB ≤ 1.1 × at 64²; peak memory
-≤ 1.25 × a step's for DB and MC(1) on the 3-D BasicUNet at 64³, 96³ and 128³.
+What each part measures, how, on which networks, and the targets: ``integration/README.md``
+(section "bench_speed").
 """
 
 from __future__ import annotations
@@ -69,7 +22,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -83,14 +35,14 @@ import lsn_ext
 from integration import harness
 from integration.harness import (
     MALLOC_ENV,
-    hwm_bytes,
-    machine,
+    error_cell,
+    median_range,
     paper_unet,
+    peak_increase,
     random_batch,
-    reset_peak,
-    rss_bytes,
-    script_command,
-    script_env,
+    run_header,
+    run_worker,
+    timed_wall_cpu,
 )
 
 RESULTS = harness.RESULTS / "bench_speed.md"
@@ -312,27 +264,6 @@ SETUPS = {
 }
 
 
-def _reason(err: BaseException) -> str:
-    """The error in one short table cell."""
-    lines = str(err).strip().splitlines() or [""]
-    text = f"{type(err).__name__}: {lines[0]}".replace("|", "/")
-    return text if len(text) <= 140 else text[:137] + "..."
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _timed(fn: Callable[[], object], device: str) -> tuple[float, float]:
-    """Wall-clock and process CPU seconds (``time.process_time``: all threads) of ``fn()``."""
-    _sync(device)
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    _sync(device)
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 # --------------------------------------------------------------------------------------------
 # Time
 # --------------------------------------------------------------------------------------------
@@ -351,14 +282,14 @@ def time_case(case: Case, reps: int, slow_reps: int) -> dict[str, dict]:
         try:
             call = SETUPS[m](model, x, y, case)
             stage = "call"
-            warm = _timed(call, case.device)[0]
+            warm = timed_wall_cpu(call, case.device)[0]
         except NotApplicableError as why:
             out[m] = {"skip": str(why)}
             continue
         except Exception as err:
             if m == "train":
                 raise
-            out[m] = {"error": f"{stage}: {_reason(err)}"}
+            out[m] = {"error": f"{stage}: {error_cell(err)}"}
             print(f"  {case.label}: {case.methods[m]} fails: {out[m]['error']}", flush=True)
             continue
         calls[m] = call
@@ -371,8 +302,8 @@ def time_case(case: Case, reps: int, slow_reps: int) -> dict[str, dict]:
         for m, call in calls.items():
             if m == "train" or r >= n_reps[m]:
                 continue
-            step, step_cpu = _timed(calls["train"], case.device)
-            t, cpu = _timed(call, case.device)
+            step, step_cpu = timed_wall_cpu(calls["train"], case.device)
+            t, cpu = timed_wall_cpu(call, case.device)
             for who, wall, proc, ratio, cpu_ratio in (
                 ("train", step, step_cpu, 1.0, 1.0),
                 (m, t, cpu, t / step, cpu / step_cpu),
@@ -408,30 +339,12 @@ def _time_in_processes(case: Case, reps: int, slow_reps: int, processes: int) ->
 def _run_time_worker(case: Case, reps: int, slow_reps: int, shown: set[str]) -> dict:
     """One fresh process's :func:`time_case`; prints its report lines not in ``shown`` yet."""
     spec = {**asdict(case), "reps": reps, "slow_reps": slow_reps}
-    lines, result = _worker("--_time-worker", spec)
+    lines, result = run_worker(__spec__.name, "--_time-worker", spec)
     for line in lines:  # the peers' failures, once
         if line not in shown:
             shown.add(line)
             print(line, flush=True)
     return result
-
-
-def _worker(flag: str, spec: dict, extra_env: dict[str, str] | None = None) -> tuple[list, dict]:
-    """Run this script as a worker (``flag`` with ``spec`` as JSON) in a fresh process, with
-    ``extra_env`` added to its environment.
-
-    Returns the lines it printed before its last, and its last line parsed as JSON.
-
-    Raises:
-        RuntimeError: The worker failed, with its standard error.
-    """
-    cmd = script_command(__spec__.name, flag, json.dumps(spec))
-    cmd += ["--threads", str(torch.get_num_threads())]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=script_env(**(extra_env or {})))
-    if out.returncode != 0:
-        raise RuntimeError(f"worker {flag} {spec} failed:\n{out.stderr}")
-    *lines, last = out.stdout.strip().splitlines()
-    return lines, json.loads(last)
 
 
 def time_table(cases: list[tuple[Case, int]], slow_reps: int, processes: int) -> str:
@@ -494,28 +407,17 @@ def memory_worker(case: Case, method: str) -> dict:
     except Exception as err:
         if method == "train":
             raise
-        return {"error": _reason(err)}
+        return {"error": error_cell(err)}
     model.zero_grad(set_to_none=True)
-    gc.collect()
-    if case.device.startswith("cuda"):
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        call()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        if not reset_peak():
-            raise RuntimeError("peak memory on CPU needs /proc/self/clear_refs (Linux ≥ 4.0)")
-        base = rss_bytes()
-        call()
-        peak = hwm_bytes()
-    return {"baseline": base, "peak_increase": peak - base}
+    base, increase = peak_increase(call, case.device)
+    return {"baseline": base, "peak_increase": increase}
 
 
 def _measure_memory(case: Case, method: str) -> dict:
     # harness.MALLOC_ENV: a fixed mmap threshold and trimming make the RSS follow live tensors
-    return _worker("--_memory-worker", {**asdict(case), "method": method}, MALLOC_ENV)[1]
+    return run_worker(
+        __spec__.name, "--_memory-worker", {**asdict(case), "method": method}, MALLOC_ENV
+    )[1]
 
 
 def memory_table(cases: list[Case]) -> str:
@@ -571,10 +473,6 @@ def _memory_counter(cases: list[Case]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
-
-
 def kron_time_table(cases: list[tuple[Case, int, int]], slow_reps: int) -> str:
     """Wall and CPU time of the Kron fits of one batch beside a training step of it."""
     rows = []
@@ -592,8 +490,8 @@ def kron_time_table(cases: list[tuple[Case, int, int]], slow_reps: int) -> str:
                 ratio = statistics.median(r["ratios"])
                 cells = [
                     f"{statistics.median(r['times']) * 1e3:.0f}",
-                    _spread(r["ratios"]),
-                    _spread(r["cpu_ratios"]),
+                    median_range(r["ratios"]),
+                    median_range(r["cpu_ratios"]),
                     str(len(r["times"])),
                 ]
                 verdict = "—" if target is None else ("PASS" if ratio <= target else "FAIL")
@@ -684,39 +582,8 @@ def _case(text: str) -> tuple[str, int, int, int]:
     return case
 
 
-def _revision() -> str:
-    """The checkout's commit, and whether tracked code outside the results differs from it."""
-    git = ["git", "-C", str(harness.ROOT)]
-    try:
-        commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()  # fmt: skip
-        changed = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no", "--", ".",
-             ":!integration/results"],
-            capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return f"{commit} with uncommitted changes" if changed else commit
-
-
 def _header(args: argparse.Namespace, argv: list[str]) -> str:
-    load = os.getloadavg()
-    cpus = os.cpu_count() or 1
-    device = args.device
-    if device.startswith("cuda"):
-        device += f" ({torch.cuda.get_device_name(device)})"
-    busy = (
-        f" The load exceeded the {cpus} logical CPUs: other jobs shared the machine, so the "
-        "times are contended; the paired ratios are the figures least affected."
-        if load[0] > cpus
-        else ""
-    )
-    command = " ".join(["./dev bench speed", *argv])
-    return (
-        f"{machine()} Device: {device}. Command: `{command}`. Code: {_revision()}. Load average "
-        f"(1, 5, 15 min) at the start: {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}.{busy}"
-    )
+    return run_header(args.device, " ".join(["./dev bench speed", *argv]))
 
 
 def main(argv: list[str] | None = None) -> None:
