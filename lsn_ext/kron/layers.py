@@ -228,23 +228,23 @@ class Columns:
         return gram
 
     def _sampled_gram(self, fraction: float, generator: torch.Generator | None) -> Tensor:
-        """:meth:`gram` over a random ``fraction`` of each sample's positions, weighted."""
+        """:meth:`gram` over a random ``fraction`` of each sample's positions, weighted.
+
+        The kept positions are gathered in chunks of about :data:`CHUNK` entries.
+        """
         N, T = self.view.shape[0], self.positions
         kept = min(T, math.ceil(fraction * T))
         device = self.view.device
         order = torch.rand(N, T, generator=generator, device=device).argsort(dim=1)[:, :kept]
         D = self.width // self.groups
+        step = max(1, CHUNK // max(1, self.width * N))
         if self.padded is None:  # Linear on tokens: [N, T, I]
             flat = self.view.reshape(N, T, -1)
-            part = torch.gather(flat, 1, order.unsqueeze(2).expand(N, kept, flat.shape[2]))
-            M = part.reshape(-1, D).T.unsqueeze(0)
         else:
             # linear index into the padded positions of position o and tap k:
             # Σ_i (o_i s_i + k_i d_i) · (stride of padded spatial dim i)
             spatial = self.padded.shape[2:]
             steps = [math.prod(spatial[i + 1 :]) for i in range(self.dims)]
-            where = torch.unravel_index(order, self.view.shape[1 : 1 + self.dims])
-            base = sum(o * (s * st) for o, s, st in zip(where, self.stride, steps, strict=True))
             taps = torch.tensor(
                 [
                     sum(k * d * st for k, d, st in zip(tap, self.dilation, steps, strict=True))
@@ -252,12 +252,24 @@ class Columns:
                 ],
                 device=device,
             )
-            index = (taps.view(1, -1, 1) + base.unsqueeze(1)).reshape(N, 1, -1)  # [N, 1, K T']
             flat = self.padded.reshape(N, self.padded.shape[1], -1)
-            part = torch.gather(flat, 2, index.expand(N, flat.shape[1], -1))  # [N, C, K T']
-            M = part.unflatten(2, (len(taps), kept)).permute(1, 2, 0, 3)  # [C, K, N, T']
-            M = M.reshape(self.groups, D, -1)
-        return _group_gram(M).mul_(T / kept)
+        gram = None
+        for a in range(0, kept, step):
+            part_order = order[:, a : a + step]
+            t = part_order.shape[1]
+            if self.padded is None:
+                index = part_order.unsqueeze(2).expand(N, t, flat.shape[2])
+                M = torch.gather(flat, 1, index).reshape(-1, D).T.unsqueeze(0)
+            else:
+                where = torch.unravel_index(part_order, self.view.shape[1 : 1 + self.dims])
+                base = sum(o * (s * st) for o, s, st in zip(where, self.stride, steps, strict=True))
+                index = (taps.view(1, -1, 1) + base.unsqueeze(1)).reshape(N, 1, -1)  # [N, 1, K t]
+                part = torch.gather(flat, 2, index.expand(N, flat.shape[1], -1))  # [N, C, K t]
+                M = part.unflatten(2, (len(taps), t)).permute(1, 2, 0, 3)  # [C, K, N, t]
+                M = M.reshape(self.groups, D, -1)
+            piece = _group_gram(M)
+            gram = piece if gram is None else gram.add_(piece)
+        return gram.mul_(T / kept)
 
 
 def _group_gram(M: Tensor) -> Tensor:

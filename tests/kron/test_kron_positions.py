@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import lsn_ext
-from lsn_ext.kron import kron_curvature
+from lsn_ext.kron import kron_curvature, layers
 from lsn_ext.rules.losses import BCEWithLogits, CrossEntropy
 from tests.kron.kfac_reference import reference_factors
 from tests.networks import tiny_unet
@@ -83,6 +83,20 @@ def test_every_position_kept_is_the_definition(case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fraction", [1.0, 1 - 1e-9], ids=["every-position", "sampling-path"])
+@pytest.mark.parametrize("case", list(LAYERS))
+def test_small_chunks_give_the_definition(case, fraction, monkeypatch):
+    """Patches gathered a few entries at a time (many chunks, both paths): the same factors."""
+    monkeypatch.setattr(layers, "CHUNK", 7)
+    net, x, y, z = _net(case)
+    gen = torch.Generator().manual_seed(0)
+    result = kron_curvature(net, x, y, noise=z, position_fraction=fraction, generator=gen)
+    reference = reference_factors(net, x, y, CrossEntropy(), z, "expand")
+    for name, ref in reference.items():
+        for a, b in zip(result.factors(name), ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("case", list(LAYERS))
 def test_a_fraction_is_unbiased_and_leaves_the_other_factors(case):
     net, x, y, z = _net(case)

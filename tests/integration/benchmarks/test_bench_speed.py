@@ -140,3 +140,5 @@ def test_kron_memory_table(report):
     for cells in rows:
         assert float(cells[2]) > 0
         assert float(cells[3]) > 0
+        factors = float(cells[4])  # MiB of the returned Kron factors: none for the step
+        assert factors == 0 if cells[1] == "training step" else factors > 0
