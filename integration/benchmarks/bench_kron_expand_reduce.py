@@ -265,6 +265,7 @@ def train_paper_unet(size: int, steps: int) -> tuple[nn.Module, Tensor, Tensor]:
 def positions(quick: bool) -> str:
     """The error of ``position_fraction`` against every position (module documentation)."""
     size, steps, seeds = (16, 20, 2) if quick else (64, 300, SEEDS)
+    previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
         net, x, y = train_paper_unet(size, steps)
@@ -294,7 +295,7 @@ def positions(quick: bool) -> str:
         num = sum(float((half[n] - A[n]).norm() ** 2) for n in kfac)
         scale = math.sqrt(num / sum(float(a.norm() ** 2) for a in A.values()))
     finally:
-        torch.set_default_dtype(torch.float64)
+        torch.set_default_dtype(previous)
     return "\n".join(
         [
             "## Position sampling: KFAC-expand's patch factor from a fraction of the positions",
@@ -319,7 +320,17 @@ def positions(quick: bool) -> str:
 
 
 def run(quick: bool) -> str:
+    """The report's text; float64 as the default dtype while it measures, restored after."""
+    previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
+    try:
+        return report_text(quick)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def report_text(quick: bool) -> str:
+    """The report: pooled and per-tensor errors of the three networks, then position sampling."""
     seeds = 2 if quick else SEEDS
     all_rows, summaries = [], {}
     for name, net, x, y, loss in cases(quick):

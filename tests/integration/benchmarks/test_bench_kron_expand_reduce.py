@@ -1,6 +1,7 @@
 """``bench_kron_expand_reduce --quick``: both tables come back with sound numbers."""
 
 import pytest
+import torch
 
 from integration.benchmarks import bench_kron_expand_reduce as bench
 
@@ -16,7 +17,10 @@ def _rows(text: str, section: str) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def report() -> str:
-    return bench.run(quick=True)
+    before = torch.get_default_dtype()
+    text = bench.run(quick=True)
+    assert torch.get_default_dtype() == before  # float64 inside run, restored after
+    return text
 
 
 @pytest.mark.slow
