@@ -139,9 +139,10 @@ class Capture:
             calls.append((*call, entry))
             owner.calls += 1
             # The batched output, for the replays to reproduce (a leaf's only while unchanged:
-            # an in-place operation after the module, ReLU(inplace=True), changes it).
-            y = out.detach()
-            version = y._version
+            # an in-place operation after the module, ReLU(inplace=True), changes it); none is
+            # kept where no replay can happen (Owner.may_replay).
+            y = out.detach() if owner.may_replay else None
+            version = None if y is None else y._version
 
             def arrived(g: Tensor) -> None:
                 fired.add(call)
@@ -158,9 +159,9 @@ class Capture:
         return hook
 
 
-def _unchanged(t: Tensor, version: int) -> Tensor | None:
+def _unchanged(t: Tensor | None, version: int | None) -> Tensor | None:
     """``t`` where no in-place operation changed it since its version was ``version``."""
-    return t if t._version == version else None
+    return t if t is not None and t._version == version else None
 
 
 def gather(

@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lsn_ext._functional import functional_call_all
 from lsn_ext.engine import round_off, sum_tolerance
-from lsn_ext.estimators.per_sample import direct_sample_grads, own, square_sum
+from lsn_ext.estimators.per_sample import direct_kernel, direct_sample_grads, own, square_sum
 
 
 class _Bare(nn.Module):
@@ -80,6 +80,18 @@ class Owner:
         per owner and call costs.
         """
         return _Bare(self.module)
+
+    @property
+    def may_replay(self) -> bool:
+        """Whether this call's gradients may come from a replay, which checks its outputs.
+
+        ``False`` for a leaf that a direct kernel serves (:func:`direct_kernel`: torch's own
+        classes, whose forward cannot depend on the batch without a gradient path); the capture
+        then keeps no reference to its output, which would hold every activation of the network
+        until the backward pass reached it. Where such a kernel fails at run time (another
+        padding mode), the module is replayed without the output check.
+        """
+        return self.block or not self.direct or direct_kernel(self.module) is None
 
     def sample_grads(self, x: Tensor, g: Tensor, out: Tensor | None = None) -> dict[str, Tensor]:
         """``J_nᵀ g_n`` w.r.t. this module's parameters, per sample: ``{name: [N, *shape]}``.
