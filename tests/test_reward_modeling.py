@@ -6,6 +6,8 @@ rewards ``[N, 1]`` as a regression. The references are laplace-torch's default b
 ``CurvlinopsGGN`` (the exact GGN diagonal), and its own predictive.
 """
 
+import math
+
 import pytest
 import torch
 from laplace import Laplace
@@ -53,10 +55,24 @@ def _fit(backend, **backend_kwargs):
     return la
 
 
+@pytest.fixture(scope="module")
+def fits():
+    """laplace-torch's exact fit and DiagBackprop's (2000 Monte-Carlo vectors), once per module.
+
+    The tests only read them (predictions do not change a fitted Laplace). Float64, as
+    conftest.py sets for each test (a module fixture is set up before it).
+    """
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return _fit(CurvlinopsGGN), _fit(DiagBackprop, mc_samples=2000)
+    finally:
+        torch.set_default_dtype(dtype)
+
+
 @pytest.mark.slow
-def test_fit_matches_the_exact_ggn_diagonal_of_laplace_torch():
-    ref = _fit(CurvlinopsGGN)
-    la = _fit(DiagBackprop, mc_samples=2000)
+def test_fit_matches_the_exact_ggn_diagonal_of_laplace_torch(fits):
+    ref, la = fits
     assert la.backend.likelihood == "classification"
     torch.testing.assert_close(la.loss, ref.loss, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(la.H, ref.H, rtol=0.05, atol=1e-8)
@@ -64,9 +80,8 @@ def test_fit_matches_the_exact_ggn_diagonal_of_laplace_torch():
 
 
 @pytest.mark.slow
-def test_predictive_is_a_regression_over_rewards():
-    ref = _fit(CurvlinopsGGN)
-    la = _fit(DiagBackprop, mc_samples=2000)
+def test_predictive_is_a_regression_over_rewards(fits):
+    ref, la = fits
     x = _items()
     mean, var = la(x, pred_type="glm")
     ref_mean, ref_var = ref(x, pred_type="glm")
@@ -74,9 +89,14 @@ def test_predictive_is_a_regression_over_rewards():
     assert var.shape == (5, 1, 1)
     torch.testing.assert_close(mean, ref_mean)
     torch.testing.assert_close(var, ref_var, rtol=0.05, atol=1e-8)
-    maps = predict(la, x, 20_000, pred_type="glm", generator=torch.Generator().manual_seed(0))
+    n = 8000
+    maps = predict(la, x, n, pred_type="glm", generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(maps.mean, ref_mean, rtol=0, atol=0.03)
-    torch.testing.assert_close(maps.variance, ref_var[:, :, 0], rtol=0.1, atol=1e-6)
+    # The variance of each reward is the mean of (J δ)² over S = n/2 antithetic draws, J δ
+    # Gaussian: relative sd √(2/S) = 2.2 %. Against la's own exact GLM variance (itself within
+    # 5 % of laplace-torch's exact fit above): within 5 sd per reward.
+    z = (maps.variance - var[:, :, 0]) / (var[:, :, 0] * math.sqrt(2 / (n // 2)))
+    assert z.abs().max() < 5, z
 
 
 def test_exact_first_step_of_diagonal_backprop_needs_the_head_last():
