@@ -1,11 +1,14 @@
 """Packaging: what the sdist and the wheel carry, and what ``import lsn_ext`` costs.
 
-The sdist and wheel are built by setuptools' own backend from a copy of the source tree in a
-temporary folder (about two seconds; nothing is written into the checkout, no network).
+The release is built once per module, as for PyPI: ``python -m build --no-isolation`` (the sdist,
+then the wheel from the unpacked sdist) from a copy of the source tree in a temporary folder
+(nothing is written into the checkout, no network). The content checks, the install into a fresh
+venv and ``twine check`` all read that one sdist and wheel.
 """
 
 import ast
 import importlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -13,6 +16,7 @@ import sys
 import tarfile
 import textwrap
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -31,9 +35,11 @@ DATA = (
     "PROVENANCE.md",
     "LICENSE",
 )
+# ".cache": integration/results/.cache, the experiments' run cache (git-ignored, hundreds of MB).
 _SKIP = shutil.ignore_patterns(
-    ".git", ".venv", "*.egg-info", "build", "dist", "__pycache__", ".*_cache", ".hypothesis"
-)
+    ".git", ".venv", "*.egg-info", "build", "dist", "__pycache__", ".*_cache", ".cache",
+    ".hypothesis",
+)  # fmt: skip
 
 
 def _run(code: str, cwd: Path = ROOT) -> str:
@@ -55,25 +61,55 @@ def _source_copy(dest: Path) -> Path:
     return dest
 
 
+@dataclass(frozen=True)
+class Release:
+    """The built sdist and wheel, and the build's output."""
+
+    sdist: Path
+    wheel: Path
+    log: str
+
+
 @pytest.fixture(scope="module")
-def dists(tmp_path_factory) -> dict[str, set[str]]:
-    """Build the sdist and the wheel from a copy of the tree; their member names, sans top dir."""
-    tmp = tmp_path_factory.mktemp("pkg")
-    src = _source_copy(tmp / "src")
-    out = tmp / "dist"
-    _run(
-        f"""
-        from setuptools import build_meta
-        build_meta.build_sdist({str(out)!r})
-        build_meta.build_wheel({str(out)!r})
-        """,
-        cwd=src,
-    )
+def release(tmp_path_factory) -> Release:
+    """``python -m build --no-isolation`` on a copy of the tree: the sdist, the wheel from it.
+
+    Without ``build`` (the dev extra), setuptools' backend builds both from the tree (``log`` is
+    then empty, and the twine test skips).
+    """
+    tmp = tmp_path_factory.mktemp("release")
+    src, out = _source_copy(tmp / "src"), tmp / "dist"
+    if importlib.util.find_spec("build") is None:
+        log = ""
+        _run(
+            f"""
+            from setuptools import build_meta
+            build_meta.build_sdist({str(out)!r})
+            build_meta.build_wheel({str(out)!r})
+            """,
+            cwd=src,
+        )
+    else:
+        built = subprocess.run(
+            [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), "."],
+            cwd=src,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert built.returncode == 0, built.stderr[-3000:]
+        log = built.stdout + built.stderr
     (sdist,) = out.glob("*.tar.gz")
     (wheel,) = out.glob("*.whl")
-    with tarfile.open(sdist) as tar:
+    return Release(sdist, wheel, log)
+
+
+@pytest.fixture(scope="module")
+def dists(release) -> dict[str, set[str]]:
+    """The member names of the sdist (sans top dir) and of the wheel, and the wheel's METADATA."""
+    with tarfile.open(release.sdist) as tar:
         sdist_names = {m.name.split("/", 1)[1] for m in tar.getmembers() if m.isfile()}
-    with zipfile.ZipFile(wheel) as zf:
+    with zipfile.ZipFile(release.wheel) as zf:
         wheel_names = set(zf.namelist())
         (metadata,) = (n for n in wheel_names if n.endswith(".dist-info/METADATA"))
         meta = zf.read(metadata).decode()
@@ -282,28 +318,27 @@ def test_a_broken_torchvision_gets_an_error_that_names_it_and_the_fix(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path):
+def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path, release):
     """The built wheel, installed offline into a new venv, runs a Laplace fit from outside the repo.
 
     The new venv reaches the dependencies through a ``.pth`` line to this environment's
     site-packages (no network), so what is tested is the wheel: its files, data, entry point and
-    metadata, imported from the new venv's own site-packages.
+    metadata, imported from the new venv's own site-packages. The venv has no pip of its own
+    (seeding one costs seconds); this environment's pip installs into it (``pip --python``).
     """
     import site
 
-    dist = tmp_path / "dist"
-    _run(
-        f"from setuptools import build_meta; build_meta.build_wheel({str(dist)!r})",
-        cwd=_source_copy(tmp_path / "src"),
-    )
-    (wheel,) = dist.glob("*.whl")
     venv = tmp_path / "fresh"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300
+    )
     py = venv / "bin" / "python"
     (new_site,) = (venv / "lib").glob("python*/site-packages")
     (new_site / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    pip = [str(py), "-m", "pip", "--disable-pip-version-check", "-q", "install"]
-    subprocess.run([*pip, "--no-index", "--no-deps", str(wheel)], check=True, timeout=300)
+    pip = [sys.executable, "-m", "pip", "--python", str(py), "--disable-pip-version-check", "-q"]
+    subprocess.run(
+        [*pip, "install", "--no-index", "--no-deps", str(release.wheel)], check=True, timeout=300
+    )
     quick_start = textwrap.dedent(
         """
         import lsn_ext, torch
@@ -337,28 +372,26 @@ def test_the_wheel_installs_into_a_fresh_venv_and_runs_the_quick_start(tmp_path)
 
 
 @pytest.mark.slow
-def test_the_release_builds_cleanly_and_passes_twine_check(tmp_path):
+def test_the_release_builds_cleanly_and_passes_twine_check(release):
     """``python -m build`` without warnings, and ``twine check`` (PyPI's rendering of README)."""
     pytest.importorskip("build", reason="build is in the dev extra")
     pytest.importorskip("twine", reason="twine is in the dev extra")
-    out = tmp_path / "dist"
-    built = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), "."],
-        cwd=_source_copy(tmp_path / "src"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert built.returncode == 0, built.stderr[-3000:]
-    log = built.stdout + built.stderr
-    assert "WARNING" not in log, log[-3000:]
-    names = sorted(p.name for p in out.iterdir())
+    assert "WARNING" not in release.log, release.log[-3000:]
+    names = sorted(p.name for p in release.sdist.parent.iterdir())
     assert names == [
         f"lsn_ext-{lsn_ext.__version__}-py3-none-any.whl",
         f"lsn_ext-{lsn_ext.__version__}.tar.gz",
     ]
     checked = subprocess.run(
-        [sys.executable, "-m", "twine", "check", "--strict", *map(str, out.iterdir())],
+        [
+            sys.executable,
+            "-m",
+            "twine",
+            "check",
+            "--strict",
+            str(release.sdist),
+            str(release.wheel),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
