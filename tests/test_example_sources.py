@@ -1,10 +1,12 @@
 """The sources of ``examples/``: lsn_ext is imported before laplace-torch (so that lsn_ext's
 torchvision message and its one warning filter come first, and the imports pass ``python -W
-error``), and the only warnings filtered are upstream ones named by message and category."""
+error``), and the only warnings filtered are upstream ones named by message and category.
+
+The examples' runs in ``tests/test_examples.py`` check the imports as they happen: each script
+runs under ``python -W error``, with laplace-torch first imported by ``lsn_ext._laplace``.
+"""
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,37 +48,6 @@ def test_names_from_lsn_ext_are_imported_before_laplace(name):
     first_laplace = next(i for i, (m, _) in enumerate(imports) if m.split(".")[0] == "laplace")
     first_names = next(i for i, (m, names) in enumerate(imports) if m == "lsn_ext" and names)
     assert first_names < first_laplace, imports
-
-
-SPY = """
-import importlib.util, sys
-order = []
-class Spy:
-    def find_spec(self, name, path=None, target=None):
-        if name in ("laplace", "lsn_ext._laplace"):
-            order.append(name)
-spec = importlib.util.spec_from_file_location("example", sys.argv[1])
-sys.meta_path.insert(0, Spy())
-spec.loader.exec_module(importlib.util.module_from_spec(spec))
-print(order)
-"""
-
-
-@pytest.mark.slow  # imports torch, laplace-torch (and MONAI) in a subprocess per example
-@pytest.mark.parametrize("name", NAMES)
-def test_module_imports_load_laplace_through_lsn_ext_under_w_error(name):
-    """Importing an example (not running it) under ``-W error``: laplace-torch is first imported
-    by ``lsn_ext._laplace``, and no warning is raised."""
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-c", SPY, str(EXAMPLES / f"{name}.py")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    expected = ["lsn_ext._laplace", "laplace"] if name in WITH_LAPLACE else []
-    assert done.stdout.split("\n")[-2] == repr(expected)
 
 
 def _warning_filters(name: str) -> list[ast.Call]:

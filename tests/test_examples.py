@@ -1,9 +1,12 @@
 """``examples/``: each script runs at its ``--quick`` sizes as a user runs it (a subprocess,
 float32) and writes the maps, figures and numbers it promises; it prints every step with its
-time, shows its progress bars on stderr and lets no warning through."""
+time, shows its progress bars on stderr and lets no warning through. The same run, under
+``python -W error``, checks the examples' imports: laplace-torch is first imported by
+``lsn_ext._laplace`` (``tests/test_example_sources.py`` checks the order in the sources)."""
 
 import json
 import math
+import os
 import re
 import resource
 import subprocess
@@ -15,32 +18,61 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow  # three subprocesses, about 40 s together on 2 cores
+pytestmark = pytest.mark.slow  # three subprocesses, about 30 s of CPU together (one thread each)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NUMBER = r"[-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|nan|inf)"
+FIRST_IMPORTS = "laplace-torch imported by: "
+THROUGH_LSN_EXT = ["lsn_ext._laplace", "laplace"]  # lsn_ext._laplace first, then laplace-torch
+
+# Runs the example as ``python examples/<name>.py ARGS`` does (``__main__``, the script's folder
+# first on sys.path) and prints, last, which of laplace-torch and lsn_ext._laplace were first
+# imported, in order (laplace-torch's submodules come later, through these).
+RUN = f"""
+import os, runpy, sys
+order = []
+class Spy:
+    def find_spec(self, name, path=None, target=None):
+        if name in ("laplace", "lsn_ext._laplace"):
+            order.append(name)
+sys.meta_path.insert(0, Spy())
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(sys.argv[0])
+runpy.run_path(sys.argv[0], run_name="__main__")
+print({FIRST_IMPORTS!r} + repr(order))
+"""
 
 
-def run_example(name: str, out: Path, steps: int, bars: tuple[str, ...]) -> tuple[str, dict]:
-    """Run ``examples/<name>.py --quick --out out``; its stdout and ``summary.json``.
+def run_example(
+    name: str, out: Path, steps: int, bars: tuple[str, ...], imports: list[str]
+) -> tuple[str, dict]:
+    """Run ``examples/<name>.py --quick --out out`` under ``python -W error``; its stdout and
+    ``summary.json``.
 
-    The CPU time of the child is bounded (wall-clock time depends on what else runs). Its stdout
-    names ``steps`` steps, each with its time, in order; its stderr holds the progress ``bars``,
-    each run to the end, and no warning (the examples filter only the upstream warnings they
-    name).
+    The CPU time of the child is bounded (wall-clock time depends on what else runs); it runs
+    on the suite's torch threads (one unless ``$LSN_EXT_TEST_THREADS``, see
+    ``tests/conftest.py``: on a busy machine a second OpenMP thread spin-waits). No warning is
+    raised, shown or not (``-W error``: the examples filter only the upstream warnings they
+    name). laplace-torch and ``lsn_ext._laplace`` are first imported in the order ``imports``
+    (``[]``: neither). Its stdout names ``steps`` steps, each with its time, in order; its
+    stderr holds the progress ``bars``, each run to the end, and no warning.
     """
+    threads = os.environ.get("LSN_EXT_TEST_THREADS", "1")
+    argv = [str(EXAMPLES / f"{name}.py"), "--quick", "--out", str(out)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / f"{name}.py"), "--quick", "--out", str(out)],
+        [sys.executable, "-W", "error", "-c", RUN, *argv],
         cwd=out.parent,
         capture_output=True,
         text=True,
         timeout=900,  # a hang guard only: on a loaded machine monai_3d took 631 s for 36 s of CPU
         check=False,
+        env={**os.environ, "OMP_NUM_THREADS": threads},
     )
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - before
     assert done.returncode == 0, done.stderr[-3000:]
     assert cpu < 60, f"{name} --quick took {cpu:.0f} s of CPU time"
+    assert done.stdout.splitlines()[-1] == FIRST_IMPORTS + repr(imports), done.stdout[-2000:]
     started = re.findall(rf"^\[(\d+)/{steps}\] (?!done in)\S", done.stdout, re.MULTILINE)
     ended = re.findall(rf"^\[(\d+)/{steps}\] done in {NUMBER} s$", done.stdout, re.MULTILINE)
     assert started == ended == [str(k) for k in range(1, steps + 1)], done.stdout
@@ -66,7 +98,7 @@ def printed(stdout: str, prefix: str) -> list[float]:
 def test_laplace_quickstart(tmp_path):
     out = tmp_path / "quickstart"
     stdout, summary = run_example(
-        "laplace_quickstart", out, 5, (*LAPLACE_BARS, "predict: posterior draws")
+        "laplace_quickstart", out, 5, (*LAPLACE_BARS, "predict: posterior draws"), THROUGH_LSN_EXT
     )
     maps = np.load(out / "maps.npz")
     assert maps["image"].shape == (4, 1, 32, 32)
@@ -104,7 +136,7 @@ def _boundary(labels: np.ndarray) -> np.ndarray:
 
 def test_backpack_quickstart(tmp_path):
     out = tmp_path / "backpack"
-    stdout, summary = run_example("backpack_quickstart", out, 4, ())
+    stdout, summary = run_example("backpack_quickstart", out, 4, (), [])
     saved = torch.load(out / "diagonals.pt")
     for part, ref in (("plain", "exact"), ("unet", "exact")):
         exact = saved[part][ref]
@@ -134,7 +166,8 @@ def test_monai_3d(tmp_path):
     pytest.importorskip("monai", reason="examples/monai_3d.py needs monai")
     nib = pytest.importorskip("nibabel", reason="examples/monai_3d.py writes NIfTI with nibabel")
     out = tmp_path / "monai"
-    stdout, summary = run_example("monai_3d", out, 6, (*LAPLACE_BARS, "predict: posterior draws"))
+    bars = (*LAPLACE_BARS, "predict: posterior draws")
+    stdout, summary = run_example("monai_3d", out, 6, bars, THROUGH_LSN_EXT)
     assert summary["test_shape"] == [32, 32, 48]
     maps = {k: nib.load(p) for k, p in summary["files"]["maps"].items()}
     volumes = {k: np.asarray(m.dataobj) for k, m in maps.items()}
