@@ -7,8 +7,11 @@ unit runner, wall-clock timing, peak-memory counters and the cost benchmarks' wo
 - :func:`run_units`: units of work in spawned processes, with progress lines;
 - :func:`timed`: ``(fn(), seconds)``; :func:`timed_wall_cpu`: wall and CPU seconds on a device;
 - :func:`run_worker`: a script's own worker in a fresh process, its last line as JSON;
-- :func:`peak_increase`: peak memory of one call; :func:`run_header`: a report's run line;
-- :func:`error_cell`, :func:`median_range`, :func:`git_revision`: a report's cells and code line;
+  :func:`pool_runs`: the timings of several such processes, pooled per method;
+- :func:`peak_increase`, :func:`memory_counter`: peak memory of one call, and what it reads;
+  :func:`run_header`: a report's run line;
+- :func:`error_cell`, :func:`median_range`, :func:`table_row`, :func:`git_revision`: a
+  report's cells, rows and code line;
 - :func:`script_command`, :func:`script_env`: a script (or its own worker) in a fresh process
   as ``python -m integration.<role>.<name>``, importable from any working directory;
 - :func:`rss_bytes`, :func:`maxrss_bytes`, :func:`hwm_bytes`, :func:`reset_peak`,
@@ -215,6 +218,11 @@ def error_cell(err: BaseException) -> str:
     return text if len(text) <= 140 else text[:137] + "..."
 
 
+def table_row(*cells: str) -> str:
+    """One row of a Markdown table: ``| a | b |``."""
+    return "| " + " | ".join(cells) + " |"
+
+
 def median_range(values: Sequence[float]) -> str:
     """``median (min–max)`` with two decimals."""
     return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
@@ -237,8 +245,8 @@ def git_revision() -> str:
 
 
 def run_worker(
-    module: str, flag: str, spec: dict, extra_env: dict[str, str] | None = None
-) -> tuple[list[str], dict]:
+    module: str, flag: str, spec: dict | list, extra_env: dict[str, str] | None = None
+) -> tuple[list[str], dict | list]:
     """Run ``module`` as its own worker (``flag`` with ``spec`` as JSON) in a fresh process on
     this process's torch threads, with ``extra_env`` added to its environment.
 
@@ -254,6 +262,21 @@ def run_worker(
         raise RuntimeError(f"worker {flag} {spec} failed:\n{out.stderr}")
     *lines, last = out.stdout.strip().splitlines()
     return lines, json.loads(last)
+
+
+def pool_runs(runs: list[dict[str, dict]], keys: Sequence[str]) -> dict[str, dict]:
+    """Per method, its lists under ``keys`` pooled over the runs of fresh processes (in order),
+    and ``medians``: each run's median of ``ratios``; a method with ``error`` or ``skip`` in
+    any run is that run's entry (failing in one process is failing)."""
+    pooled: dict[str, dict] = {}
+    for m in runs[0]:
+        failed = next((run[m] for run in runs if "error" in run[m] or "skip" in run[m]), None)
+        if failed is not None:
+            pooled[m] = failed
+            continue
+        pooled[m] = {k: [t for run in runs for t in run[m][k]] for k in keys if k in runs[0][m]}
+        pooled[m]["medians"] = [statistics.median(run[m]["ratios"]) for run in runs]
+    return pooled
 
 
 def peak_increase(call: Callable[[], object], device: str) -> tuple[int, int]:
@@ -274,6 +297,21 @@ def peak_increase(call: Callable[[], object], device: str) -> tuple[int, int]:
     base = rss_bytes()
     call()
     return base, hwm_bytes() - base
+
+
+def memory_counter(device: str) -> str:
+    """What :func:`peak_increase` reads on ``device``, in words, for a report."""
+    if device.startswith("cuda"):
+        return "`torch.cuda.max_memory_allocated()` − `memory_allocated()` before the call"
+    return (
+        "peak RSS (VmHWM, reset via `/proc/self/clear_refs` after the warm-up) − RSS before the "
+        "call; CUDA's `max_memory_allocated` not measured: "
+        + (
+            "run with `--device cuda`"
+            if torch.cuda.is_available()
+            else "no GPU here (`torch.cuda.is_available()` is False)"
+        )
+    )
 
 
 def run_header(device: str, command: str) -> str:

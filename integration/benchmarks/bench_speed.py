@@ -24,8 +24,9 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -37,11 +38,14 @@ from integration.harness import (
     MALLOC_ENV,
     error_cell,
     median_range,
+    memory_counter,
     paper_unet,
     peak_increase,
+    pool_runs,
     random_batch,
     run_header,
     run_worker,
+    table_row,
     timed_wall_cpu,
 )
 
@@ -315,42 +319,38 @@ def time_case(case: Case, reps: int, slow_reps: int) -> dict[str, dict]:
     return out
 
 
-def _time_in_processes(case: Case, reps: int, slow_reps: int, processes: int) -> dict:
-    """:func:`time_case` in ``processes`` fresh processes, pooled per method.
+def _timed_cases(items: list[tuple[Case, int, int, int]]) -> Iterator[tuple[Case, dict]]:
+    """``(case, pooled)`` for each ``(case, reps, slow_reps, processes)``, as each finishes.
 
-    Each method's times and ratios are pooled over the processes; ``medians`` holds each
-    process's median ratio. A method that fails in any process is reported as failing.
+    :func:`time_case` runs in ``processes`` fresh processes; each method's times and ratios are
+    pooled over them, and ``medians`` holds each process's median ratio. A method that fails in
+    any process is reported as failing. With ``--quick`` (one process per case) all the cases
+    run one after another in one process, which loads the libraries once. Lazy: a case runs
+    when its result is asked for.
     """
-    shown: set[str] = set()
-    runs = [_run_time_worker(case, reps, slow_reps, shown) for _ in range(processes)]
-    pooled: dict[str, dict] = {}
-    for m in runs[0]:
-        failed = next((run[m] for run in runs if "error" in run[m] or "skip" in run[m]), None)
-        if failed is not None:
-            pooled[m] = failed
-            continue
-        pooled[m] = {
-            key: [t for run in runs for t in run[m][key]] for key in TIMES if key in runs[0][m]
-        }
-        pooled[m]["medians"] = [statistics.median(run[m]["ratios"]) for run in runs]
-    return pooled
+    shared = all(case.quick and processes == 1 for case, _, _, processes in items)
+    for group in [items] if shared and items else [[item] for item in items]:
+        shown: set[str] = set()
+        runs = [_run_time_worker(group, shown) for _ in range(group[0][3])]
+        for i, (case, *_) in enumerate(group):
+            yield case, pool_runs([run[i] for run in runs], TIMES)
 
 
-def _run_time_worker(case: Case, reps: int, slow_reps: int, shown: set[str]) -> dict:
-    """One fresh process's :func:`time_case`; prints its report lines not in ``shown`` yet."""
-    spec = {**asdict(case), "reps": reps, "slow_reps": slow_reps}
-    lines, result = run_worker(__spec__.name, "--_time-worker", spec)
+def _run_time_worker(group: list[tuple[Case, int, int, int]], shown: set[str]) -> list[dict]:
+    """One fresh process's :func:`time_case` of each case of ``group``, in order; prints its
+    report lines not in ``shown`` yet."""
+    spec = [{"case": asdict(c), "reps": reps, "slow_reps": slow} for c, reps, slow, _ in group]
+    lines, results = run_worker(__spec__.name, "--_time-worker", spec)
     for line in lines:  # the peers' failures, once
         if line not in shown:
             shown.add(line)
             print(line, flush=True)
-    return result
+    return results
 
 
-def time_table(cases: list[tuple[Case, int]], slow_reps: int, processes: int) -> str:
+def time_table(timed: Iterable[tuple[Case, dict]], processes: int) -> str:
     rows = []
-    for case, reps in cases:
-        res = _time_in_processes(case, reps, slow_reps, processes)
+    for case, res in timed:
         for m, r in res.items():
             target = None if case.quick else TIME_TARGETS.get((case.net, case.size, m))
             if "error" in r:
@@ -419,19 +419,28 @@ def _kron_bytes(out: object) -> int:
     return sum(f.numel() * f.element_size() for entry in kfacs or [] for f in entry)
 
 
-def _measure_memory(case: Case, method: str) -> dict:
-    # harness.MALLOC_ENV: a fixed mmap threshold and trimming make the RSS follow live tensors
-    return run_worker(
-        __spec__.name, "--_memory-worker", {**asdict(case), "method": method}, MALLOC_ENV
-    )[1]
+def _measured_cases(cells: list[tuple[Case, Sequence[str]]]) -> Iterator[tuple[Case, dict]]:
+    """``(case, {method: memory_worker's result})`` for each ``(case, methods)``, as each
+    finishes: every cell in a fresh process (``--quick``: all cells in one, which loads the
+    libraries once), under ``MALLOC_ENV`` (a fixed mmap threshold and trimming make the RSS
+    follow live tensors)."""
+    flat = [(case, m) for case, methods in cells for m in methods]
+    groups = [flat] if flat and all(c.quick for c, _ in flat) else [[cell] for cell in flat]
+    results = (r for group in groups for r in _run_memory_worker(group))
+    for case, methods in cells:
+        yield case, {m: next(results) for m in methods}
 
 
-def memory_table(cases: list[Case]) -> str:
+def _run_memory_worker(cells: list[tuple[Case, str]]) -> list[dict]:
+    spec = [{"case": asdict(case), "method": m} for case, m in cells]
+    return run_worker(__spec__.name, "--_memory-worker", spec, MALLOC_ENV)[1]
+
+
+def memory_table(measured: Iterable[tuple[Case, dict[str, dict]]], device: str) -> str:
     rows = []
-    for case in cases:
+    for case, results in measured:
         mib = {}
-        for m in MEMORY_METHODS:
-            result = _measure_memory(case, m)
+        for m, result in results.items():
             if "peak_increase" not in result:
                 raise RuntimeError(f"{case.label}: {METHODS[m]} failed: {result}")
             mib[m] = result["peak_increase"] / 2**20
@@ -444,7 +453,7 @@ def memory_table(cases: list[Case]) -> str:
                 f"| {case.label} | {METHODS[m]} | {mib[m]:.0f} | {ratio:.2f} | {goal} | {verdict} |"
             )
             print(rows[-1], flush=True)
-    counter = _memory_counter(cases)
+    counter = memory_counter(device)
     return "\n".join(
         [
             "### Peak memory relative to a training step",
@@ -460,34 +469,15 @@ def memory_table(cases: list[Case]) -> str:
     )
 
 
-def _memory_counter(cases: list[Case]) -> str:
-    if cases and cases[0].device.startswith("cuda"):
-        return "`torch.cuda.max_memory_allocated()` − `memory_allocated()` before the call"
-    return (
-        "peak RSS (VmHWM, reset via `/proc/self/clear_refs` after the warm-up) − RSS before the "
-        "call; CUDA's `max_memory_allocated` not measured: "
-        + (
-            "run with `--device cuda`"
-            if torch.cuda.is_available()
-            else "no GPU here (`torch.cuda.is_available()` is False)"
-        )
-    )
-
-
 # --------------------------------------------------------------------------------------------
 # Kron fits (issue 39, item 6)
 # --------------------------------------------------------------------------------------------
 
 
-def _row(*cells: str) -> str:
-    return "| " + " | ".join(cells) + " |"
-
-
-def kron_time_table(cases: list[tuple[Case, int, int]], slow_reps: int) -> str:
+def kron_time_table(timed: Iterable[tuple[Case, dict]]) -> str:
     """Wall and CPU time of the Kron fits of one batch beside a training step of it."""
     rows = []
-    for case, reps, processes in cases:
-        res = _time_in_processes(case, reps, max(slow_reps, KRON_SLOW_REPS), processes)
+    for case, res in timed:
         for m, r in res.items():
             ours = m.startswith("kron")
             target = KRON_TIME_TARGET if ours and not case.quick else None
@@ -505,7 +495,7 @@ def kron_time_table(cases: list[tuple[Case, int, int]], slow_reps: int) -> str:
                     str(len(r["times"])),
                 ]
                 verdict = "—" if target is None else ("PASS" if ratio <= target else "FAIL")
-            rows.append(_row(case.label, KRON_METHODS[m], *cells, goal, verdict))
+            rows.append(table_row(case.label, KRON_METHODS[m], *cells, goal, verdict))
             print(rows[-1], flush=True)
     return "\n".join(
         [
@@ -535,11 +525,10 @@ def kron_time_table(cases: list[tuple[Case, int, int]], slow_reps: int) -> str:
     )
 
 
-def kron_memory_table(cases: list[Case]) -> str:
+def kron_memory_table(measured: Iterable[tuple[Case, dict[str, dict]]], device: str) -> str:
     """Peak memory of one Kron fit of a batch, relative to a training step's."""
     rows = []
-    for case in cases:
-        results = {m: _measure_memory(case, m) for m in KRON_METHODS}
+    for case, results in measured:
         step = results["train"]["peak_increase"] / 2**20
         for m, r in results.items():
             target = KRON_MEMORY_TARGET if m.startswith("kron") and not case.quick else None
@@ -552,14 +541,15 @@ def kron_memory_table(cases: list[Case]) -> str:
                 ratio = mib / step
                 cells = [f"{mib:.0f}", f"{ratio:.2f}", f"{r['factors'] / 2**20:.0f}"]
                 verdict = "—" if target is None else ("PASS" if ratio <= target else "FAIL")
-            rows.append(_row(case.label, KRON_METHODS[m], *cells, goal, verdict))
+            rows.append(table_row(case.label, KRON_METHODS[m], *cells, goal, verdict))
             print(rows[-1], flush=True)
+    counter = memory_counter(device)
     return "\n".join(
         [
             "### Peak memory of a Kron fit relative to a training step",
             "",
             "As for the GGN diagonals: one call in a fresh process per cell, after a full-size "
-            f"warm-up; peak: {_memory_counter(cases)}. The peak includes the factors the call "
+            f"warm-up; peak: {counter}. The peak includes the factors the call "
             "returns; their size (float32) in the column *factors*: what laplace-torch's "
             "`KronLaplace` keeps per fit, whoever computes them. Target (issue 39): ≤ "
             f"{KRON_MEMORY_TARGET:g} × a training step's peak.",
@@ -588,7 +578,9 @@ def _case(text: str) -> tuple[str, int, int, int]:
 
 
 def _header(args: argparse.Namespace, argv: list[str]) -> str:
-    return run_header(args.device, " ".join(["./dev bench speed", *argv]))
+    quick = (" Smoke run (--quick): the time cases of both parts share one worker process "
+             "(where each had one), and the memory cells of both parts another.")  # fmt: skip
+    return run_header(args.device, " ".join(["./dev bench speed", *argv])) + quick * args.quick
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -640,15 +632,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_default_dtype(torch.float32)
 
     torch.set_num_threads(args.threads)
-    if args._time_worker:
-        spec = json.loads(args._time_worker)
-        reps, slow_reps = spec.pop("reps"), spec.pop("slow_reps")
-        print(json.dumps(time_case(Case(**spec), reps, slow_reps)))
+    if args._time_worker:  # a list of cases, one after another
+        specs = json.loads(args._time_worker)
+        print(json.dumps([time_case(Case(**s["case"]), s["reps"], s["slow_reps"]) for s in specs]))
         return
-    if args._memory_worker:
-        spec = json.loads(args._memory_worker)
-        method = spec.pop("method")
-        print(json.dumps(memory_worker(Case(**spec), method)))
+    if args._memory_worker:  # a list of cells, one after another
+        specs = json.loads(args._memory_worker)
+        print(json.dumps([memory_worker(Case(**s["case"]), s["method"]) for s in specs]))
         return
 
     cases = args.cases or (QUICK_TIME_CASES if args.quick else TIME_CASES)
@@ -668,20 +658,30 @@ def main(argv: list[str] | None = None) -> None:
         for net, size, batch in (QUICK_KRON_MEMORY_CASES if args.quick else KRON_MEMORY_CASES)
     ]
 
+    parts, processes = set(args.parts), args.processes or (1 if args.quick else 3)
+    slow = max(args.slow_reps, KRON_SLOW_REPS)
+    timed = _timed_cases(  # lazy: each part's cases run when its table is made
+        [(c, reps, args.slow_reps, processes) for c, reps in time_cases if "time" in parts]
+        + [(c, reps, slow, n) for c, reps, n in kron_cases if "kron-time" in parts]
+    )
+    measured = _measured_cases(
+        [(c, MEMORY_METHODS) for c in memory_cases if "memory" in parts]
+        + [(c, tuple(KRON_METHODS)) for c in kron_memory_cases if "kron-memory" in parts]
+    )
+
     t0 = time.perf_counter()
     sections = [
         "## Speed and memory against a training step" + (" (--quick)" if args.quick else ""),
         _header(args, argv),
     ]
-    if "time" in args.parts:
-        processes = args.processes or (1 if args.quick else 3)
-        sections.append(time_table(time_cases, args.slow_reps, processes))
-    if "memory" in args.parts:
-        sections.append(memory_table(memory_cases))
-    if "kron-time" in args.parts:
-        sections.append(kron_time_table(kron_cases, args.slow_reps))
-    if "kron-memory" in args.parts:
-        sections.append(kron_memory_table(kron_memory_cases))
+    if "time" in parts:
+        sections.append(time_table(islice(timed, len(time_cases)), processes))
+    if "memory" in parts:
+        sections.append(memory_table(islice(measured, len(memory_cases)), args.device))
+    if "kron-time" in parts:
+        sections.append(kron_time_table(timed))
+    if "kron-memory" in parts:
+        sections.append(kron_memory_table(measured, args.device))
     load = os.getloadavg()
     sections.append(
         f"Total benchmark time: {time.perf_counter() - t0:.0f} s; load average at the end: "

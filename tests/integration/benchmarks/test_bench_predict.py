@@ -11,9 +11,8 @@ from integration.benchmarks import bench_predict as bench
 def test_quick_run_measures_every_row():
     table = bench.run(quick=True)
     rows = [line for line in table.splitlines() if line.startswith("| small CNN")]
-    assert len(rows) == 4  # nn and glm, two sample counts
-    for row in rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[1] in ("nn", "glm")
+    cells_of = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+    assert [(cells[1], cells[2]) for cells in cells_of] == [("nn", "4"), ("glm", "4")]
+    for cells in cells_of:
         assert float(cells[3]) > 0  # seconds
         assert re.fullmatch(r"-?\d+", cells[5])  # MB added

@@ -82,27 +82,78 @@ def test_header_records_torch_threads_device_and_load(report):
     assert "Device: cpu." in header
     assert "Load average (1, 5, 15 min) at the start" in header
     assert "Command: `./dev bench speed --quick" in header
+    assert "Smoke run (--quick): the time cases of both parts share one worker process" in header
     assert re.search(r"Code: [0-9a-f]{7,}", header)
 
 
 def test_time_cases_pool_their_processes_and_keep_each_median(monkeypatch):
     runs = iter(
         [
-            {"train": {"times": [1.0, 1.0], "ratios": [1.0, 1.0]},
-             "db": {"times": [1.1, 1.3], "ratios": [1.1, 1.3]},
-             "peer": {"error": "set-up: no"}},
-            {"train": {"times": [2.0], "ratios": [1.0]},
-             "db": {"times": [2.4], "ratios": [1.2]},
-             "peer": {"times": [3.0], "ratios": [1.5]}},
+            [{"train": {"times": [1.0, 1.0], "ratios": [1.0, 1.0]},
+              "db": {"times": [1.1, 1.3], "ratios": [1.1, 1.3]},
+              "peer": {"error": "set-up: no"}}],
+            [{"train": {"times": [2.0], "ratios": [1.0]},
+              "db": {"times": [2.4], "ratios": [1.2]},
+              "peer": {"times": [3.0], "ratios": [1.5]}}],
         ]
     )  # fmt: skip
     monkeypatch.setattr(bench, "_run_time_worker", lambda *args: next(runs))
     case = bench.Case("unet", 32, 2, True, "cpu")
-    pooled = bench._time_in_processes(case, 2, 2, processes=2)
+    [(timed, pooled)] = bench._timed_cases([(case, 2, 2, 2)])
+    assert timed == case
     assert pooled["db"]["ratios"] == [1.1, 1.3, 1.2]
     assert pooled["db"]["medians"] == pytest.approx([1.2, 1.2])
     assert pooled["train"]["times"] == [1.0, 1.0, 2.0]
     assert pooled["peer"] == {"error": "set-up: no"}  # failing in one process is failing
+
+
+def _fake_time_worker(calls: list):
+    def worker(group, shown):
+        calls.append([case.net for case, *_ in group])
+        return [{"train": {"times": [float(i)], "ratios": [1.0]}} for i in range(len(group))]
+
+    return worker
+
+
+def test_quick_time_cases_share_one_worker_and_full_size_ones_do_not(monkeypatch):
+    calls: list[list[str]] = []
+    monkeypatch.setattr(bench, "_run_time_worker", _fake_time_worker(calls))
+    quick = [bench.Case(net, 32, 2, True, "cpu") for net in ("unet", "basicunet2d")]
+    out = list(bench._timed_cases([(case, 2, 2, 1) for case in quick]))
+    assert calls == [["unet", "basicunet2d"]]  # one process, the cases in order
+    assert [case for case, _ in out] == quick
+    assert [r["train"]["times"] for _, r in out] == [[0.0], [1.0]]  # each its own result
+    calls.clear()
+    full = [bench.Case(net, 64, 8, False, "cpu") for net in ("unet", "basicunet2d")]
+    assert [case for case, _ in bench._timed_cases([(case, 10, 2, 2) for case in full])] == full
+    assert calls == [["unet"], ["unet"], ["basicunet2d"], ["basicunet2d"]]  # fresh ones per case
+    calls.clear()
+    list(bench._timed_cases([(case, 2, 2, 3) for case in quick]))  # --quick --processes 3
+    assert calls == [["unet"]] * 3 + [["basicunet2d"]] * 3
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["quick-one-process", "full-one-per-cell"])
+def test_memory_cells_run_in_a_process_each_unless_quick(monkeypatch, quick):
+    calls = []
+
+    def run_worker(module, flag, spec, extra_env):
+        assert flag == "--_memory-worker"
+        assert extra_env == bench.MALLOC_ENV  # the RSS follows the live tensors
+        calls.append([(cell["case"]["net"], cell["method"]) for cell in spec])
+        return [], [{"peak_increase": 10 * len(calls) + i} for i in range(len(spec))]
+
+    monkeypatch.setattr(bench, "run_worker", run_worker)
+    net3d, unet = (bench.Case(net, 32, 1, quick, "cpu") for net in ("basicunet3d", "unet_ce"))
+    cells = [(net3d, bench.MEMORY_METHODS), (unet, ("train", "kron_reduce"))]
+    measured = bench._measured_cases(cells)
+    first = next(measured)
+    assert len(calls) == 1 if quick else 3  # lazy: the second case has not run yet
+    out = [first, *measured]
+    assert [(case, list(results)) for case, results in out] == [(c, list(m)) for c, m in cells]
+    wanted = [(c.net, m) for c, methods in cells for m in methods]
+    assert calls == ([wanted] if quick else [[cell] for cell in wanted])
+    peaks = [r["peak_increase"] for _, results in out for r in results.values()]
+    assert peaks == ([10, 11, 12, 13, 14] if quick else [10, 20, 30, 40, 50])
 
 
 KRON_NETWORKS = ("paper U-Net 32²", "paper U-Net, 2 classes (CE) 32²", "MONAI BasicUNet 3-D 32³")

@@ -14,8 +14,11 @@ pytestmark = pytest.mark.slow  # one --quick run of the script in a subprocess
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("bench_volume")
+    # one torch thread, as in the suite (tests/conftest.py): on the busy 2-core machine the
+    # default second OpenMP thread mostly spin-waited, over twice the CPU seconds (CHANGELOG)
+    args = ("--quick", "--threads", "1", "--out", str(out))
     subprocess.run(
-        script_command("integration.benchmarks.bench_volume", "--quick", "--out", str(out)),
+        script_command("integration.benchmarks.bench_volume", *args),
         env=script_env(),
         check=True,
         capture_output=True,
