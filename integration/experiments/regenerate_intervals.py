@@ -272,8 +272,28 @@ def regenerate(report: str, spec: Spec) -> tuple[str, list[str]]:
     """The report's text with every seed interval recomputed; the list of changes."""
     path = RESULTS / report
     lines = path.read_text().split("\n")
-    cands = [(c, *_old(c.values), mean_ci(c.values).half) for c in candidates(spec)]
+    cands = [(c, *_old(c.values)) for c in candidates(spec)]
     z_cells = max(len(c.values) for c, *_ in cands) - 1 > max(OLD_T_975)
+    by_mean: dict[int, dict[str, list[tuple[Candidate, float]]]] = {}
+    new_half: dict[Candidate, float] = {}
+
+    def near(mean: str, digits: int) -> list[tuple[Candidate, float]]:
+        """The candidates (in order) whose mean prints as ``mean`` with ``digits`` decimals,
+        with their old half-widths: an index per number of decimals, so that a cell looks up
+        its few candidates instead of printing every one's mean (thousands per report)."""
+        if digits not in by_mean:
+            index = by_mean[digits] = defaultdict(list)
+            for c, mu, half in cands:
+                index[f"{mu:.{digits}f}"].append((c, half))
+        # "+x" prints x ≥ 0 with its sign: the same candidates as "x" (a negative one is "-…")
+        return by_mean[digits].get(mean.removeprefix("+"), [])
+
+    def half_of(c: Candidate) -> float:
+        """The t-interval half-width (computed once, for the candidates a cell looks at)."""
+        if c not in new_half:
+            new_half[c] = mean_ci(c.values).half
+        return new_half[c]
+
     changes, problems = [], []
     for i, line in enumerate(lines):
 
@@ -281,9 +301,8 @@ def regenerate(report: str, spec: Spec) -> tuple[str, list[str]]:
             digits, text = len(m["dec"]), m.group(0)
             hits = [
                 c
-                for c, mean, half, new_half in cands
-                if _prints_as(mean, m["mean"], digits)
-                and (_prints_as(half, m["half"], digits) or _prints_as(new_half, m["half"], digits))
+                for c, half in near(m["mean"], digits)
+                if _prints_as(half, m["half"], digits) or _prints_as(half_of(c), m["half"], digits)
             ]
             sign = m["mean"].startswith("+")
             if line.startswith("|"):

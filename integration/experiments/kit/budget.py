@@ -66,8 +66,10 @@ class Budget:
         return hashlib.sha1(json.dumps(asdict(self)).encode()).hexdigest()[:8]
 
 
+# The quick twin (tests): sizes as small as still run every code path of a full run (both
+# reweighting factors, an ensemble of two, the diagnosis on one seed).
 QUICK = Budget(
-    n_train=24,
+    n_train=12,
     n_val=4,
     n_test=6,
     n_iou=6,
@@ -86,6 +88,7 @@ QUICK = Budget(
     n_val_samples=2,
     prior_exponents=(-2, 0, 2),
     factors=(1, 8),
+    diagnose_seeds=1,
     n_diagnose_samples=2,
 )
 
@@ -131,8 +134,10 @@ class ConvergedBudget(Budget):
     hist_bins: int = 1024
 
 
+# The converged run's quick twin (tests), as small as still runs every code path (an ensemble
+# and a mixture of Laplaces of two; the nuclei splits cut by :func:`.data.load_converged`).
 CONVERGED_QUICK = ConvergedBudget(
-    n_train=24,
+    n_train=12,
     n_val=4,
     n_test=6,
     n_eval=6,
@@ -141,6 +146,7 @@ CONVERGED_QUICK = ConvergedBudget(
     batch_size=8,
     widths=(4, 8),
     rank=2,
+    ensemble=2,
     n_epistemic=2,
     n_aleatoric=2,
     n_val_samples=2,

@@ -70,6 +70,7 @@ def load_data(name: str, budget: Budget) -> Data:
         test_x, test_y = torch.cat([s.test_x, vx]), torch.cat([s.test_y, vy])
         if budget is QUICK:
             s.train_x, s.train_y = s.train_x[: budget.n_train], s.train_y[: budget.n_train]
+            s.val_x, s.val_y = s.val_x[: budget.n_val], s.val_y[: budget.n_val]
         notes = (
             f"{len(s.train_x)} training and {len(s.val_x)} validation patches of the 2-D nuclei "
             f"image; test: its {len(s.test_x)} test-band patches and the {len(vx)} z-slices of "
@@ -86,14 +87,30 @@ def loader(x: Tensor, y: Tensor, batch_size: int = 32) -> DataLoader:
 
 
 def load_converged(name: str, b: ConvergedBudget) -> tuple[Data, int]:
-    """The data set (nuclei training patches cut to ``n_train`` in quick mode) and the number of
-    its in-distribution test images (nuclei: the 2-D patches before the volume's slices)."""
+    """The data set and the number of its in-distribution test images (nuclei: the 2-D patches
+    before the volume's slices).
+
+    The nuclei splits are fixed (165 training and 15 validation patches, 31 volume slices); a
+    budget that asks for fewer (``n_train``, ``n_val``, ``n_shift``: the quick ones) gets the
+    first ones, and the notes say so. The full budgets ask for more than there are (480, 64
+    and 32), so a full run sees every patch and slice.
+    """
     data = load_data(name, b)
-    if name == "nuclei":
-        data.train_x, data.train_y = data.train_x[: b.n_train], data.train_y[: b.n_train]
-        n_volume = len(nuclei_volume_slices(64, dtype=torch.float32)[0])
-        return data, len(data.test_x) - n_volume
-    return data, len(data.test_x)
+    if name != "nuclei":
+        return data, len(data.test_x)
+    n_id = len(data.test_x) - len(nuclei_volume_slices(64, dtype=torch.float32)[0])
+    sizes = (len(data.train_x), len(data.val_x), len(data.test_x) - n_id)
+    data.train_x, data.train_y = data.train_x[: b.n_train], data.train_y[: b.n_train]
+    data.val_x, data.val_y = data.val_x[: b.n_val], data.val_y[: b.n_val]
+    keep = n_id + b.n_shift
+    data.test_x, data.test_y = data.test_x[:keep], data.test_y[:keep]
+    kept = (len(data.train_x), len(data.val_x), len(data.test_x) - n_id)
+    if kept != sizes:
+        data.notes += (
+            f" (this budget: the first {kept[0]} training and {kept[1]} validation patches, "
+            f"the first {kept[2]} slices)"
+        )
+    return data, n_id
 
 
 def boxed(data: Data, b: Budget, seed: int) -> tuple[Tensor, ...]:

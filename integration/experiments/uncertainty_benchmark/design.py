@@ -80,11 +80,10 @@ IMAGE_STATS = "image statistics"
 # shift by construction; the lesions' corruptions are applied on the one fixed input scale).
 IMAGE_STATS_RAW = "image statistics (training intensity scale)"
 
-NETS = ("unet0", "unet1", "unet2", "unet3", "unet4", "unet_do", "ssn", "ssn_diag")
-
 
 def specs(b: ConvergedBudget) -> dict[str, NetSpec]:
-    """The eight networks of a seed: five U-Nets, a dropout U-Net, rank-r and rank-0 SSNs."""
+    """The networks of a seed: the ensemble's U-Nets (five in a full run, eight networks in
+    all), a dropout U-Net, rank-r and rank-0 SSNs."""
     nets = {f"unet{k}": NetSpec("unet", member=k) for k in range(b.ensemble)}
     nets["unet_do"] = NetSpec("unet", dropout=b.dropout)
     nets["ssn"] = NetSpec("ssn", rank=b.rank)
@@ -93,8 +92,8 @@ def specs(b: ConvergedBudget) -> dict[str, NetSpec]:
 
 
 def more_specs(b: ConvergedBudget) -> dict[str, NetSpec]:
-    """The networks of the rows beyond the diagonal: the five U-Nets, the dropout U-Net, and
-    the SSN of the demo's setting (rank ``b.rank``, the per-pixel expected BCE)."""
+    """The networks of the rows beyond the diagonal: the ensemble's U-Nets, the dropout U-Net,
+    and the SSN of the demo's setting (rank ``b.rank``, the per-pixel expected BCE)."""
     nets = {k: v for k, v in specs(b).items() if k.startswith("unet")}
     nets["ssn_expected"] = NetSpec("ssn", rank=b.rank, objective="expected")
     return nets

@@ -27,8 +27,8 @@ from integration.experiments.uncertainty_benchmark.design import (
     IMAGE_STATS,
     IMAGE_STATS_RAW,
     METHODS,
-    NETS,
     POSTERIOR_NETS,
+    specs,
 )
 from integration.harness import machine
 from lsn_ext.metrics import risk_coverage
@@ -303,8 +303,15 @@ def _spread_table(rep: Report) -> str:
 def _section_training(rep: Report) -> str:
     rows = []
     n_stopped = n_all = 0
+    nets = specs(rep.b)  # the seed's networks: the ensemble's U-Nets, the dropout U-Net, SSNs
+    groups = {
+        kind: tuple(k for k, spec in nets.items() if spec.kind == kind) for kind in ("unet", "ssn")
+    }
     for d in rep.datasets:
-        for group, keys in (("U-Nets (6)", NETS[:6]), ("SSNs (2)", NETS[6:])):
+        for group, keys in (
+            (f"U-Nets ({len(groups['unet'])})", groups["unet"]),
+            (f"SSNs ({len(groups['ssn'])})", groups["ssn"]),
+        ):
             recs = [rep.res[d, s]["nets"][k] for s in rep.seeds for k in keys]
             best = torch.tensor([r["best_step"] for r in recs], dtype=torch.float64)
             run = torch.tensor([r["steps_run"] for r in recs], dtype=torch.float64)

@@ -20,17 +20,21 @@ QUESTION = (
     ("shifted_aurc", "AURC, shifted"),
 )
 
-# method → (networks trained for it, the clock entry of its fit, of its prior choice)
-COSTED = {
-    "MAP entropy": (("unet0",), None, None),
-    TTA: (("unet0",), None, None),
-    "MC dropout": (("unet_do",), None, None),
-    ENSEMBLE: (tuple(f"unet{k}" for k in range(5)), None, None),
-    "U-Net + LA (glm)": (("unet0",), "U-Net + LA (glm)", "U-Net + LA (glm)"),
-    **{m: (("unet0",), MORE_LAPLACE[m][0], m) for m in MORE_LAPLACE},
-    LSN_DEMO: (("ssn_expected",), LSN_DEMO, LSN_DEMO),
-    MIXTURE: (tuple(f"unet{k}" for k in range(5)), MIXTURE, MIXTURE),
-}
+
+def costed(ensemble: int) -> dict[str, tuple[tuple[str, ...], str | None, str | None]]:
+    """method → (networks trained for it, the clock entry of its fit, of its prior choice),
+    with ``ensemble`` members (the budget's; 5 in a full run)."""
+    members = tuple(f"unet{k}" for k in range(ensemble))
+    return {
+        "MAP entropy": (("unet0",), None, None),
+        TTA: (("unet0",), None, None),
+        "MC dropout": (("unet_do",), None, None),
+        ENSEMBLE: (members, None, None),
+        "U-Net + LA (glm)": (("unet0",), "U-Net + LA (glm)", "U-Net + LA (glm)"),
+        **{m: (("unet0",), MORE_LAPLACE[m][0], m) for m in MORE_LAPLACE},
+        LSN_DEMO: (("ssn_expected",), LSN_DEMO, LSN_DEMO),
+        MIXTURE: (members, MIXTURE, MIXTURE),
+    }
 
 
 def description(rep: object) -> str:
@@ -78,7 +82,8 @@ def section_priors(rep: object) -> str:
     rows = []
     for d in rep.datasets:
         priors = [rep.res[d, s]["more"]["priors"] for s in rep.seeds]
-        names = [*MORE_LAPLACE, LSN_DEMO] + [f"{MIXTURE} member {k}" for k in range(5)]
+        members = [f"{MIXTURE} member {k}" for k in range(rep.b.ensemble)]
+        names = [*MORE_LAPLACE, LSN_DEMO, *members]
         for name in names:
             values = [p[name]["prior_precision"] for p in priors]
             edge = sum(p[name]["at_edge"] for p in priors)
@@ -92,7 +97,7 @@ def section_cost(rep: object) -> str:
     """CPU minutes per method: training, posterior fit, prior choice, predicting."""
     rows = []
     for d in rep.datasets:
-        for m, (nets, fit, prior) in COSTED.items():
+        for m, (nets, fit, prior) in costed(rep.b.ensemble).items():
             per_seed = {"train": [], "fit": [], "prior": [], "predict": []}
             for s in rep.seeds:
                 more = rep.res[d, s]["more"]

@@ -14,15 +14,17 @@ from lsn_ext.data import load_nuclei_3d, nuclei_patches, nuclei_volume_slices
     ("budget", "key"),
     [
         (kit.Budget(), "9646edcf"),
-        (kit.QUICK, "cb087211"),
+        (kit.QUICK, "86288526"),
         (kit.ConvergedBudget(), "9e3ee2cd"),
-        (kit.CONVERGED_QUICK, "cd0b1e8d"),
+        (kit.CONVERGED_QUICK, "f5bb0ad8"),
     ],
     ids=["paper", "paper-quick", "converged", "converged-quick"],
 )
 def test_cache_keys_are_those_of_the_caches_on_disk(budget, key):
     """Every cache file name ends in its budget's key, a hash of the budget's fields alone (not of
-    its class or module): these are the keys of the caches written before the kit existed."""
+    its class or module): the full budgets' keys are those of the caches written before the kit
+    existed; the quick ones' caches are temporary, their keys those of their current sizes
+    (issue 41 made them smaller)."""
     assert budget.key() == key
 
 
