@@ -95,7 +95,11 @@ class _AddOne(nn.Module):
 
 
 class _CountHolders(nn.Module):
-    """Counts, at the end of the forward pass, the live tensors on a recorded storage."""
+    """Counts, at the end of the forward pass, the live tensors on a recorded storage.
+
+    Plain tensors only: subclasses such as the fake tensors an earlier ``torch.compile`` leaves
+    behind have no data pointer.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -107,7 +111,7 @@ class _CountHolders(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         gc.collect()
         self.holders = sum(
-            isinstance(t, Tensor) and t.data_ptr() == self.ptr and t.shape == self.shape
+            type(t) is Tensor and t.data_ptr() == self.ptr and t.shape == self.shape
             for t in gc.get_objects()
         )
         return x
