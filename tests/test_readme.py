@@ -70,7 +70,19 @@ LAST = {
 }
 
 
-@pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=_name)
+# The pages whose blocks fit and predict for several seconds (an SSN's prior search, a 3-D
+# sliding-window prediction): in the whole suite, not in the fast tier.
+SLOW_PAGES = {"docs/demo.md", "docs/guide/monai.md"}
+
+
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(p, marks=pytest.mark.slow) if _name(p) in SLOW_PAGES else p
+        for p in PAGES_WITH_CODE
+    ],
+    ids=_name,
+)
 def test_every_block_of_the_page_runs_in_order(page):
     pytest.importorskip("monai")
     torch.set_default_dtype(torch.float32)  # as a user runs them
@@ -134,6 +146,7 @@ def test_the_import_order_check_catches_laplace_first(tmp_path):
     assert import_order_problems(page) == []
 
 
+@pytest.mark.slow  # a second interpreter importing torch, laplace-torch and lsn_ext
 def test_importing_a_name_from_lsn_ext_first_passes_python_w_error():
     """The documented order works under ``python -W error`` (laplace-torch's asdl import warns)."""
     code = "import lsn_ext\nfrom lsn_ext import DiagBackprop\nfrom laplace import Laplace\n"

@@ -117,6 +117,7 @@ class _CountHolders(nn.Module):
         return x
 
 
+@pytest.mark.slow  # gc.get_objects() over the whole suite's heap, twice per call
 @pytest.mark.parametrize("estimator", ["mc", "db"])
 def test_the_capture_keeps_no_output_of_a_module_a_kernel_serves(estimator):
     # A conv whose output autograd does not save (an addition follows): the estimator must not
