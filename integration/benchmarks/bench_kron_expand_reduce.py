@@ -46,6 +46,7 @@ import time
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
+from torch.nn import functional as F
 
 from integration import harness
 from integration.harness import paper_unet
@@ -134,21 +135,27 @@ def trace_ratio(blocks: dict[str, Tensor], exact: dict[str, Tensor], names: list
     )
 
 
+def train_bce(
+    net: nn.Module, x: Tensor, y: Tensor, steps: int, lr: float, gen: torch.Generator
+) -> None:
+    """``steps`` Adam steps of the mean BCE on batches of 8 drawn from ``x``, ``y`` with ``gen``."""
+    opt = torch.optim.Adam(net.parameters(), lr=lr)
+    for _ in range(steps):
+        idx = torch.randint(0, len(x), (8,), generator=gen)
+        opt.zero_grad()
+        F.binary_cross_entropy_with_logits(net(x[idx]), y[idx]).backward()
+        opt.step()
+
+
 def train_unet(steps: int) -> tuple[nn.Module, Tensor, Tensor]:
     gen = torch.Generator().manual_seed(0)
     x, y = synthetic_lesions(66, size=16, channels=3, generator=gen)
     x, y = x.double(), y.double()
     torch.manual_seed(0)
     net = UNet(3, 1, widths=(4, 8, 16), upsampling="transposed").double()
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    loss = nn.BCEWithLogitsLoss()
-    for _ in range(steps):
-        idx = torch.randint(0, 64, (8,), generator=gen)
-        opt.zero_grad()
-        loss(net(x[idx]), y[idx]).backward()
-        opt.step()
+    train_bce(net, x[:64], y[:64], steps, 1e-2, gen)
     with torch.no_grad():
-        final = float(loss(net(x[:64]), y[:64]))
+        final = float(F.binary_cross_entropy_with_logits(net(x[:64]), y[:64]))
     print(f"  trained U-Net: training BCE {final:.3f}", file=sys.stderr)
     return net, x[64:], y[64:]
 
@@ -252,15 +259,9 @@ def train_paper_unet(size: int, steps: int) -> tuple[nn.Module, Tensor, Tensor]:
     x, y = synthetic_lesions(136, size=size, channels=3, generator=gen)
     torch.manual_seed(0)
     net = paper_unet()
-    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
-    loss = nn.BCEWithLogitsLoss()
-    for _ in range(steps):
-        idx = torch.randint(0, 128, (8,), generator=gen)
-        opt.zero_grad()
-        loss(net(x[idx]), y[idx]).backward()
-        opt.step()
+    train_bce(net, x[:128], y[:128], steps, 3e-3, gen)
     with torch.no_grad():
-        final = float(loss(net(x[128:]), y[128:]))
+        final = float(F.binary_cross_entropy_with_logits(net(x[128:]), y[128:]))
     print(f"  paper U-Net: held-out BCE {final:.3f} after {steps} steps", file=sys.stderr)
     return net.eval(), x[128:], y[128:]
 
